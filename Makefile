@@ -1,0 +1,26 @@
+# Set-up and entry points. `make test` and `make demo` work from a clean clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU wheel of the tested release.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not gpu"
+
+demo: $(STAMP)
+	$(PY) -m pagellm demo $(DEMO_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
