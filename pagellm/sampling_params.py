@@ -1,0 +1,179 @@
+"""Sampling parameters, with vLLM's names and defaults.
+
+A user builds one ``SamplingParams`` per request (or one for a whole batch). Every value is
+checked when the object is created, so a bad value fails in the caller's code with a message
+that names the field, the value and the limit, instead of surfacing later as a NaN or an index
+error inside a batched engine step that also serves other requests.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any
+
+# Above this temperature a row is sampled; at or below it, it is decoded greedily. A tiny
+# positive temperature would otherwise divide the logits into overflow.
+SAMPLING_EPS = 1e-5
+
+# The most top-k logprobs a request may ask for per token. Each one costs a top-k over the
+# vocabulary and a Python object per token, so an unbounded value is a cheap denial of service.
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.Enum):
+    """How the sampler picks a row's token."""
+
+    GREEDY = "greedy"
+    RANDOM = "random"  # shares the engine's global random generator
+    RANDOM_SEED = "random_seed"  # has its own generator, seeded from ``seed``
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample the completions of one request.
+
+    Invariants after construction: every value lies within its documented range; ``stop`` and
+    ``stop_token_ids`` are lists (possibly empty); ``top_k`` is 0 when disabled (-1 is accepted
+    as vLLM's older spelling and stored as 0); ``max_tokens`` is None only when the engine is to
+    fill it in from the model's context length.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_types()
+        self._normalise()
+        self._check_ranges()
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters a streaming caller must hold back so that it never shows the beginning of
+        a stop string that later turns out to be complete (and is then cut from the text)."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: the engine may adjust a request's copy (e.g. resolve ``max_tokens``)
+        without touching the object the user passed, which may be shared by many requests."""
+        return copy.deepcopy(self)
+
+    def _check_types(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            _require_int(name, getattr(self, name))
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
+            _require_real(name, getattr(self, name))
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_stop_types(self.stop, self.stop_token_ids)
+
+    def _normalise(self) -> None:
+        # numpy scalars pass the type checks; store plain Python numbers.
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs",
+                     "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, int(value))
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
+            setattr(self, name, float(getattr(self, name)))
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or ()]
+
+    def _check_ranges(self) -> None:
+        _require("n", self.n, self.n >= 1, "must be at least 1")
+        _require("temperature", self.temperature, self.temperature >= 0.0, "must be >= 0")
+        _require("top_p", self.top_p, 0.0 < self.top_p <= 1.0, "must be in (0, 1]")
+        _require("top_k", self.top_k, self.top_k >= 0,
+                 "must be -1 or 0 (disabled) or at least 1")
+        _require("min_p", self.min_p, 0.0 <= self.min_p <= 1.0, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(name, value, -2.0 <= value <= 2.0, "must be in [-2, 2]")
+        _require("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0.0,
+                 "must be > 0")
+        if self.max_tokens is not None:
+            _require("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be at least 1")
+        _require("min_tokens", self.min_tokens, self.min_tokens >= 0, "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(name, value, 0 <= value <= MAX_LOGPROBS,
+                         f"must be in [0, {MAX_LOGPROBS}] (MAX_LOGPROBS)")
+        for s in self.stop:
+            _require("stop", s, len(s) > 0, "must not contain empty strings")
+        for t in self.stop_token_ids:
+            _require("stop_token_ids", t, t >= 0, "must contain non-negative token ids")
+
+
+def _require(name: str, value: Any, ok: bool, limit: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {limit}, got {value!r}")
+
+
+def _require_int(name: str, value: Any) -> None:
+    # bool is an int subclass; True as a count is almost certainly a mistake.
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+
+
+def _require_real(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number, got {value!r}")
+
+
+def _check_stop_types(stop: Any, stop_token_ids: Any) -> None:
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
+    if stop_token_ids is not None:
+        if not isinstance(stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of int, got {stop_token_ids!r}")
+        for t in stop_token_ids:
+            _require_int("stop_token_ids", t)
