@@ -1,0 +1,323 @@
+"""Batched sampling: logits processors, token choice and logprobs for one engine step.
+
+One ``Sampler`` call handles every row of the step's logits at once, whatever mix of requests
+they belong to. The order of operations is vLLM's:
+
+1. min_tokens: while a row has generated fewer than ``min_tokens`` tokens, EOS (unless
+   ``ignore_eos``) and its ``stop_token_ids`` get -inf, so it cannot stop early.
+2. Penalties: repetition over prompt and output tokens, presence and frequency over output tokens.
+3. Temperature, then top-k, top-p and min-p (random rows only).
+4. Choice: argmax for greedy rows; inverse-CDF sampling for random rows.
+
+Logprobs are those of the raw model distribution (before any of the above), as vLLM returns
+by default, so they mean the same thing whatever the sampling settings.
+
+Work a step does not need is skipped: a batch of greedy rows without penalties or min_tokens
+costs one argmax and one logsumexp over the logits, plus a top-k for the rows asking for logprobs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import chain
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from pagellm.sampling_params import SAMPLING_EPS, SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """What the sampler needs to know about each row of one step's logits.
+
+    All lists have one entry per row. A row's generator is its request's own
+    ``torch.Generator`` (on the logits' device) when the request has a seed, so that its samples
+    depend only on its seed and its own history, never on which other requests share the batch;
+    None means the global random generator.
+    """
+
+    params: list[SamplingParams]
+    prompt_token_ids: list[Sequence[int]]
+    output_token_ids: list[Sequence[int]]
+    generators: list[torch.Generator | None]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Per row: the chosen token, its raw logprob and rank (1 = most likely), and the
+    ``params.logprobs`` most likely tokens as (token_id, logprob) pairs, or None when the
+    request did not ask for logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+class Sampler:
+    """Turns a step's logits into next tokens.
+
+    Invariants: the logits passed in are never modified; greedy rows are deterministic (first
+    maximum on ties); a seeded row's token is a function of its logits, its params, its token
+    history and its generator's state only.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+
+    def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # Models may pad the output projection beyond the tokenizer's vocabulary.
+        logits = logits[:, : self.vocab_size].float()  # [num_rows, vocab_size]
+        num_rows = logits.shape[0]
+        if len(meta.params) != num_rows:
+            raise ValueError(f"SamplingMetadata has {len(meta.params)} rows, logits {num_rows}")
+        processed = self._apply_min_tokens_and_penalties(logits, meta)
+
+        greedy_rows = [i for i, p in enumerate(meta.params) if p.temperature < SAMPLING_EPS]
+        if len(greedy_rows) == num_rows:
+            token_ids = processed.argmax(dim=-1)  # [num_rows]
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+            random_rows = [i for i, p in enumerate(meta.params) if p.temperature >= SAMPLING_EPS]
+            if greedy_rows:
+                rows = _index(greedy_rows, logits.device)
+                token_ids[rows] = processed[rows].argmax(dim=-1)
+            rows = _index(random_rows, logits.device)
+            token_ids[rows] = _sample_random(
+                processed[rows], [meta.params[i] for i in random_rows],
+                [meta.generators[i] for i in random_rows])
+        # Argmax of the untouched logits is rank 1 by definition: no need to count.
+        raw_argmax = processed is logits and len(greedy_rows) == num_rows
+        return compute_logprobs(logits, token_ids, [p.logprobs for p in meta.params],
+                                ranks_are_one=raw_argmax)
+
+    def _apply_min_tokens_and_penalties(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        """Returns ``logits`` itself when no row needs either, else a processed copy."""
+        banned_rows, banned_tokens = self._min_tokens_bans(meta)
+        penalised = [i for i, p in enumerate(meta.params) if _has_penalties(p)]
+        if not banned_rows and not penalised:
+            return logits
+        logits = logits.clone()
+        if banned_rows:
+            logits[banned_rows, banned_tokens] = -math.inf
+        if penalised:
+            rows = _index(penalised, logits.device)
+            logits[rows] = _apply_penalties(
+                logits[rows], [meta.params[i] for i in penalised],
+                [meta.prompt_token_ids[i] for i in penalised],
+                [meta.output_token_ids[i] for i in penalised])
+        return logits
+
+    def _min_tokens_bans(self, meta: SamplingMetadata) -> tuple[list[int], list[int]]:
+        """(row, token) pairs that must not be sampled because the row is below min_tokens."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        for i, p in enumerate(meta.params):
+            if p.min_tokens == 0 or len(meta.output_token_ids[i]) >= p.min_tokens:
+                continue
+            stops = list(p.stop_token_ids)
+            if not p.ignore_eos and self.eos_token_id is not None:
+                stops.append(self.eos_token_id)
+            stops = [t for t in stops if t < self.vocab_size]
+            rows.extend([i] * len(stops))
+            tokens.extend(stops)
+        return rows, tokens
+
+
+def compute_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: Sequence[int | None],
+                     ranks_are_one: bool = False) -> SamplerOutput:
+    """Raw logprob and rank of ``token_ids[i]`` under row i of ``logits``, plus the row's top-k.
+
+    Also serves prompt logprobs: pass the logits of prompt positions and the prompt tokens that
+    follow them. Uses ``logit - logsumexp`` rather than a full log_softmax so that only the rows
+    asking for top-k logprobs pay for a [rows, vocab] result.
+    """
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)  # [num_rows]
+    chosen = logits.gather(1, token_ids[:, None]).squeeze(1)  # [num_rows]
+    logprobs = (chosen - lse).tolist()
+    if ranks_are_one:
+        ranks = [1] * len(logprobs)
+    else:
+        # An int32 sum of the comparison is several times faster than the default int64 one.
+        ranks = ((logits > chosen[:, None]).sum(dim=-1, dtype=torch.int32) + 1).tolist()
+    top: list[list[tuple[int, float]] | None] = [None] * len(logprobs)
+    wanted = [i for i, k in enumerate(num_logprobs) if k is not None]
+    max_k = max((num_logprobs[i] for i in wanted), default=0)
+    if max_k > 0:
+        rows = _index(wanted, logits.device)
+        values, indices = logits[rows].topk(min(max_k, logits.shape[1]), dim=-1)
+        values = (values - lse[rows][:, None]).tolist()
+        indices = indices.tolist()
+        for j, i in enumerate(wanted):
+            k = num_logprobs[i]
+            top[i] = list(zip(indices[j][:k], values[j][:k]))
+    for i in wanted:
+        if top[i] is None:
+            top[i] = []
+    return SamplerOutput(token_ids.tolist(), logprobs, ranks, top)
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0)
+
+
+def _apply_penalties(logits: Tensor, params: list[SamplingParams],
+                     prompt_ids: list[Sequence[int]], output_ids: list[Sequence[int]]) -> Tensor:
+    """vLLM's penalties on the rows of ``logits`` [rows, vocab] (modified in place).
+
+    Repetition divides positive logits and multiplies negative ones by the penalty for every
+    token seen in the prompt or the output; frequency subtracts penalty × count and presence
+    subtracts the penalty once, for tokens of the output only. Only the (row, token) pairs that
+    occur are touched: dense [rows, vocab] count tensors would cost more than the whole
+    sampling step.
+    """
+    device = logits.device
+    vocab = logits.shape[1]
+    out_rows, out_tokens = _flatten(output_ids, device)  # one entry per output token
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompt_rows, prompt_tokens = _flatten(prompt_ids, device)
+        rows, tokens = _unique_pairs(torch.cat([out_rows, prompt_rows]),
+                                     torch.cat([out_tokens, prompt_tokens]), vocab)
+        values = logits[rows, tokens]
+        factor = repetition[rows]
+        logits[rows, tokens] = torch.where(values > 0, values / factor, values * factor)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
+        # Accumulating once per occurrence subtracts penalty × count.
+        logits.index_put_((out_rows, out_tokens), -frequency[out_rows], accumulate=True)
+    if any(p.presence_penalty != 0.0 for p in params):
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)
+        rows, tokens = _unique_pairs(out_rows, out_tokens, vocab)
+        logits[rows, tokens] -= presence[rows]
+    return logits
+
+
+def _flatten(token_ids: list[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """(row index, token id) of every token of every row, as two flat tensors."""
+    lengths = torch.tensor([len(ids) for ids in token_ids], device=device)
+    rows = torch.repeat_interleave(torch.arange(len(token_ids), device=device), lengths)
+    tokens = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long, device=device)
+    return rows, tokens
+
+
+def _unique_pairs(rows: Tensor, tokens: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
+    keys = torch.unique(rows * vocab + tokens)
+    return keys // vocab, keys % vocab
+
+
+def _sample_random(logits: Tensor, params: list[SamplingParams],
+                   generators: list[torch.Generator | None]) -> Tensor:
+    """Samples one token per row of ``logits`` [rows, vocab] (a copy; modified in place)."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits.div_(temperature[:, None])
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+    if any(p.min_p > 0.0 for p in params):
+        # probs < min_p * max_prob  <=>  logit < max_logit + log(min_p); log(0) = -inf keeps all.
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        cutoff = logits.amax(dim=-1) + torch.log(min_p)  # [rows]
+        logits.masked_fill_(logits < cutoff[:, None], -math.inf)
+    return _inverse_cdf_sample(logits.softmax(dim=-1), generators)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: list[int], top_p: list[float]) -> Tensor:
+    """Masks to -inf all but each row's top-k tokens, then all but the smallest set of those
+    whose (renormalised) probability reaches top_p. ``top_k`` 0 and ``top_p`` 1 disable.
+
+    Each row gets one cut-off logit and tokens below it are masked, so tokens tied with the
+    cut-off are all kept: which of several tied tokens survives must not depend on how a sort
+    happened to order them, or on which other rows share the batch.
+    """
+    device = logits.device
+    cutoff = torch.full((logits.shape[0],), -math.inf, device=device)  # [rows]
+    k_rows = [i for i, k in enumerate(top_k) if k > 0]
+    p_rows = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k == 0 and p < 1.0]
+    if k_rows:
+        rows = _index(k_rows, device)
+        cutoff[rows] = _top_k_cutoff(
+            logits[rows], torch.tensor([top_k[i] for i in k_rows], device=device),
+            torch.tensor([top_p[i] for i in k_rows], device=device))
+    if p_rows:
+        rows = _index(p_rows, device)
+        cutoff[rows] = _top_p_cutoff(
+            logits[rows], torch.tensor([top_p[i] for i in p_rows], device=device))
+    return logits.masked_fill_(logits < cutoff[:, None], -math.inf)
+
+
+def _top_k_cutoff(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Per row, the smallest logit kept by top-k followed by top-p (top_k >= 1 on every row)."""
+    vocab = logits.shape[1]
+    k = top_k.clamp(max=vocab)  # [rows]
+    values = logits.topk(int(k.max()), dim=-1).values  # [rows, max_k], descending
+    positions = torch.arange(values.shape[1], device=logits.device)
+    in_top_k = positions[None, :] < k[:, None]
+    log_norm = torch.logsumexp(values.masked_fill(~in_top_k, -math.inf), dim=-1)
+    num_kept = torch.minimum(k, _nucleus_size(values, log_norm, top_p))
+    return values.gather(1, (num_kept - 1)[:, None]).squeeze(1)
+
+
+def _top_p_cutoff(logits: Tensor, top_p: Tensor) -> Tensor:
+    """Per row, the smallest logit kept by top-p alone (top_p < 1 on every row).
+
+    A full sort of the vocabulary is slow on a CPU (milliseconds per row), and the nucleus of a
+    trained model is usually a few dozen tokens: look for the cut in the top 64 tokens, then the
+    top 1024, and sort everything only for rows whose nucleus is wider still.
+    """
+    vocab = logits.shape[1]
+    log_norm = torch.logsumexp(logits, dim=-1)  # [rows]
+    cutoff = torch.empty_like(log_norm)
+    pending = torch.arange(logits.shape[0], device=logits.device)
+    for width in (min(64, vocab), min(1024, vocab), vocab):
+        values = logits[pending].topk(width, dim=-1).values  # [pending, width], descending
+        num_kept = _nucleus_size(values, log_norm[pending], top_p[pending])
+        done = (num_kept < width) | (width == vocab)
+        cutoff[pending[done]] = values[done].gather(1, (num_kept[done] - 1)[:, None]).squeeze(1)
+        pending = pending[~done]
+        if pending.numel() == 0:
+            break
+    return cutoff
+
+
+def _nucleus_size(values: Tensor, log_norm: Tensor, top_p: Tensor) -> Tensor:
+    """How many of the descending ``values`` [rows, width] the smallest set reaching ``top_p``
+    probability holds (at least 1); ``log_norm`` normalises them into probabilities."""
+    probs = (values - log_norm[:, None]).exp()
+    before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each position
+    # top_p == 1 must keep everything, even where rounding pushes the cumulative sum to 1.
+    threshold = torch.where(top_p < 1.0, top_p, math.inf)
+    return (before < threshold[:, None]).sum(dim=-1).clamp(min=1)
+
+
+def _inverse_cdf_sample(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """Draws one token per row of ``probs`` [rows, vocab] from one uniform number per row.
+
+    A seeded row draws its number from its own generator, so its token depends only on its own
+    probabilities and seed. One uniform and a cumulative sum per row cost a small fraction of
+    drawing vocab-sized noise (exponential race, Gumbel-max) or of torch.multinomial on a CPU.
+    """
+    device = probs.device
+    uniform = torch.empty(probs.shape[0], device=device)  # [rows]
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if unseeded:
+        uniform[_index(unseeded, device)] = torch.rand(len(unseeded), device=device)
+    if seeded:
+        uniform[_index(seeded, device)] = torch.cat(
+            [torch.rand(1, generator=generators[i], device=device) for i in seeded])
+    cdf = probs.cumsum(dim=-1)  # [rows, vocab]
+    total = cdf[:, -1:]
+    # Stay strictly below the total, so that the search never runs past the last token.
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    # The first position whose cdf exceeds the target: a zero-probability token never is.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _index(rows: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
