@@ -209,6 +209,19 @@ class ContiguousKVCacheManager:
             self._seqs[seq_id] = _Reservation(start, table.num_tokens)
         return copies
 
+    def can_swap_in(self, seq_ids: Iterable[Hashable], num_new_tokens: int = 0) -> bool:
+        """Whether swap_in(seq_ids) would succeed now (a run never needs more blocks to grow)."""
+        ids = self._collect(seq_ids, self._swapped, "swapped out")
+        starts = []
+        for _ in ids:
+            start = self.free_extents.reserve(self.blocks_per_seq)
+            if start is None:
+                break
+            starts.append(start)
+        for start in starts:
+            self.free_extents.release(start, self.blocks_per_seq)
+        return len(starts) == len(ids)
+
     @staticmethod
     def _collect(seq_ids: Iterable[Hashable], where: dict, state: str) -> list[Hashable]:
         ids = list(dict.fromkeys(seq_ids))
@@ -229,8 +242,12 @@ class ContiguousKVCacheManager:
             num_cpu_blocks=self.num_cpu_blocks,
             num_free_cpu_blocks=self.cpu_block_pool.num_free_blocks,
             num_swapped_seqs=len(self._swapped), num_seqs=len(self._seqs),
-            block_counts={seq_id: self.blocks_per_seq for seq_id in self._seqs},
+            block_counts=self.seq_block_counts(),
         )
+
+    def seq_block_counts(self) -> dict[Hashable, int]:
+        """Blocks reserved by each sequence on the device."""
+        return {seq_id: self.blocks_per_seq for seq_id in self._seqs}
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the reservations and free extents do not tile the arena."""

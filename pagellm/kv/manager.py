@@ -62,7 +62,6 @@ class KVCacheManager:
         self._prefix_queries = 0
         self._prefix_hits = 0
 
-    # ---- prefix cache -------------------------------------------------------------------------
 
     def lookup_prefix(self, token_ids: Sequence[int],
                       extra_keys: Iterable[Hashable] = ()) -> PrefixMatch:
@@ -87,7 +86,6 @@ class KVCacheManager:
             parent = block_hash.value
         return PrefixMatch(tuple(block_ids), len(block_ids) * bs, tuple(hashes))
 
-    # ---- allocation ---------------------------------------------------------------------------
 
     def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
                        prefix: PrefixMatch | None = None, extra_keys: Iterable[Hashable] = (),
@@ -203,7 +201,6 @@ class KVCacheManager:
             hashes.append(block_hash)
             parent = block_hash.value
 
-    # ---- queries ------------------------------------------------------------------------------
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Token slots the sequence holds, on the device or swapped out."""
@@ -222,7 +219,6 @@ class KVCacheManager:
     def is_swapped(self, seq_id: Hashable) -> bool:
         return seq_id in self._swapped
 
-    # ---- fork / free --------------------------------------------------------------------------
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> BlockCopies:
         """The child shares every block of the parent (ref counts up); a later append into a
@@ -252,7 +248,6 @@ class KVCacheManager:
             cpu_blocks = self.cpu_block_pool.blocks
             self.cpu_block_pool.free_blocks(cpu_blocks[b] for b in reversed(seq.table.block_ids))
 
-    # ---- swap ---------------------------------------------------------------------------------
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> BlockCopies | None:
         """Move the sequences' blocks to the CPU pool: returns (device, cpu) copies, or None if
@@ -278,10 +273,7 @@ class KVCacheManager:
         are short. Full blocks whose contents are still cached on the device are taken back
         from the prefix cache instead of copied."""
         seqs = self._collect(seq_ids, self._swapped, "swapped out")
-        holders = Counter(b for _, seq in seqs for b in seq.table.block_ids)
-        reuse = self._cached_on_device(seqs)
-        num_needed = (len(holders) - len(reuse)
-                      + len({b.block_id for b in reuse.values() if b.ref_cnt == 0}))
+        holders, reuse, num_needed = self._swap_in_plan(seqs)
         if num_needed > self.block_pool.num_free_blocks:
             return None
         for cpu_id, block in reuse.items():  # before get_new_blocks, which could evict them
@@ -301,6 +293,27 @@ class KVCacheManager:
                 self.block_pool.cache_full_block(self._blocks[block_id], block_hash)
             self._seqs[seq_id] = self._swapped.pop(seq_id)
         return copies
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable], num_new_tokens: int = 0) -> bool:
+        """Whether swap_in(seq_ids) and then allocate_slots(s, ..., num_new_tokens) for each of
+        them would both succeed now (a shared, partly filled last block counts as copied)."""
+        seqs = self._collect(seq_ids, self._swapped, "swapped out")
+        holders, _, num_needed = self._swap_in_plan(seqs)
+        for _, seq in seqs:
+            table = seq.table
+            num_needed += table.num_blocks_needed(num_new_tokens) + (
+                num_new_tokens > 0 and table.last_block_is_partial()
+                and holders[table.block_ids[-1]] > 1)
+        return num_needed <= self.block_pool.num_free_blocks
+
+    def _swap_in_plan(self, seqs: list[tuple[Hashable, _Sequence]]
+                      ) -> tuple[Counter[int], dict[int, KVCacheBlock], int]:
+        """(holders of each CPU block, device blocks to take back, device blocks needed)."""
+        holders = Counter(b for _, seq in seqs for b in seq.table.block_ids)
+        reuse = self._cached_on_device(seqs)
+        num_needed = (len(holders) - len(reuse)
+                      + len({b.block_id for b in reuse.values() if b.ref_cnt == 0}))
+        return holders, reuse, num_needed
 
     def _cached_on_device(self, seqs: list[tuple[Hashable, _Sequence]]) -> dict[int, KVCacheBlock]:
         """CPU block id -> device block that still caches the same contents."""
@@ -322,7 +335,6 @@ class KVCacheManager:
             raise ValueError(f"sequences {missing!r} are not {state}")
         return [(seq_id, where[seq_id]) for seq_id in ids]
 
-    # ---- statistics and invariants -----------------------------------------------------------
 
     def get_stats(self) -> KVCacheStats:
         bs = self.block_size
@@ -340,8 +352,12 @@ class KVCacheManager:
             num_cpu_blocks=self.num_cpu_blocks,
             num_free_cpu_blocks=self.cpu_block_pool.num_free_blocks,
             num_swapped_seqs=len(self._swapped), num_seqs=len(self._seqs),
-            block_counts={seq_id: len(s.table.block_ids) for seq_id, s in self._seqs.items()},
+            block_counts=self.seq_block_counts(),
         )
+
+    def seq_block_counts(self) -> dict[Hashable, int]:
+        """Device blocks held by each sequence on the device (shared blocks count for each)."""
+        return {seq_id: len(seq.table.block_ids) for seq_id, seq in self._seqs.items()}
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any invariant of the class docstring is broken (for tests)."""
