@@ -146,18 +146,17 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: Sequence[i
         ranks = ((logits > chosen[:, None]).sum(dim=-1, dtype=torch.int32) + 1).tolist()
     top: list[list[tuple[int, float]] | None] = [None] * len(logprobs)
     wanted = [i for i, k in enumerate(num_logprobs) if k is not None]
+    for i in wanted:
+        top[i] = []  # logprobs=0: only the chosen token's logprob
     max_k = max((num_logprobs[i] for i in wanted), default=0)
     if max_k > 0:
         rows = _index(wanted, logits.device)
         values, indices = logits[rows].topk(min(max_k, logits.shape[1]), dim=-1)
-        values = (values - lse[rows][:, None]).tolist()
+        values = (values - lse[rows][:, None]).tolist()  # [len(wanted), max_k]
         indices = indices.tolist()
         for j, i in enumerate(wanted):
             k = num_logprobs[i]
             top[i] = list(zip(indices[j][:k], values[j][:k]))
-    for i in wanted:
-        if top[i] is None:
-            top[i] = []
     return SamplerOutput(token_ids.tolist(), logprobs, ranks, top)
 
 
