@@ -1,0 +1,167 @@
+"""The decoder shared by the Llama-style families (Llama 2/3, Mistral, Qwen2, Qwen3).
+
+They differ only in a few switches (biases, per-head q/k RMSNorm, sliding window), collected in
+DecoderSpec; the module tree and parameter names mirror transformers' (``model.layers.N.
+self_attn...``) so checkpoints load by name, except that q/k/v and gate/up are fused
+(see ``packed_modules_mapping``).
+
+Forward works on a flat batch of tokens [num_tokens, ...] from many sequences at once; which
+sequence a token belongs to only matters inside attention, through the AttentionMetadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.attention import Attention, AttentionMetadata, KVCache
+from pagellm.model.layers import Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding
+
+
+@dataclass(slots=True, frozen=True)
+class DecoderSpec:
+    """What distinguishes one family's decoder from another's."""
+
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: Any, layer_idx: int) -> int | None:
+    """The layer's sliding window, read the way transformers reads it for these families."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=spec.o_proj_bias)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads,
+                              scale=self.head_dim ** -0.5,
+                              sliding_window=sliding_window_of(config, layer_idx))
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]  # hidden: [T, hidden_size]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        out = self.attn(q, k, v, kv_cache, metadata)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up as one matmul."""
+
+    def __init__(self, config: Any, spec: DecoderSpec) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=spec.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate_size]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), in transformers' op order."""
+
+    def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, spec, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config, spec)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache,
+                                         metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        cos, sin = self.rotary_emb(positions, hidden.dtype)  # each [T, 1, head_dim]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    """Base of every family: decoder + lm_head (tied to the embedding when the config says so).
+
+    ``forward`` returns final hidden states for all tokens; ``compute_logits`` is applied by the
+    runner only to the rows that need logits, because the vocabulary projection is the largest
+    matmul of a prefill step.
+    """
+
+    # checkpoint name -> (fused parameter name, shard id) for the fused projections
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.decoder_spec(config))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden_size] -> logits [R, vocab_size] in the model dtype."""
+        return self.lm_head(hidden)

@@ -1,0 +1,7 @@
+"""Building blocks shared by the model families."""
+from pagellm.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from pagellm.model.layers.norm import RMSNorm
+from pagellm.model.layers.rotary import RotaryEmbedding, rope_parameters
+
+__all__ = ["Linear", "MergedLinear", "QKVLinear", "default_weight_loader", "RMSNorm",
+           "RotaryEmbedding", "rope_parameters"]

@@ -1,0 +1,215 @@
+"""Find a model (local folder or Hugging Face Hub id), read its config, build it, load weights.
+
+Weights load by name through each parameter's ``weight_loader`` (see model/layers/linear.py):
+the loader itself knows nothing about any family beyond ``packed_modules_mapping``. Only
+safetensors are read unless pickled ``.bin`` files are explicitly allowed, because unpickling
+a checkpoint can run arbitrary code.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.model.decoder import CausalLM
+from pagellm.model.layers import default_weight_loader
+from pagellm.model.registry import get_model_class
+
+# What a hub download fetches: weights as safetensors, configs, tokenizer files.
+HUB_ALLOW_PATTERNS = ["*.safetensors", "*.json", "tokenizer*", "*.model", "*.tiktoken",
+                      "*.txt", "*.jinja"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model folder, hub id or weight file could not be found or fetched."""
+
+
+def resolve_model_path(model: str | Path, allow_download: bool = True) -> Path:
+    """A local folder holding config.json: ``model`` itself, or a hub snapshot of it.
+
+    ``model`` is a folder when it exists on disk, or looks like a path (absolute, ``./``,
+    ``~``); otherwise it is taken as a hub id ("org/name") and fetched (safetensors, json and
+    tokenizer files only) into the Hugging Face cache, which also serves it offline once cached.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model folder {str(path)!r} has no config.json")
+        return path
+    text = str(model)
+    if path.exists() or text.startswith(("/", ".", "~")) or text.count("/") > 1:
+        raise ModelNotFoundError(f"model folder {text!r} does not exist")
+    if not allow_download:
+        raise ModelNotFoundError(f"model {text!r} is not a local folder and downloads are off; "
+                                 "pass the path of a folder holding config.json and weights")
+    return _download(text)
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=repo_id, allow_patterns=HUB_ALLOW_PATTERNS))
+    except Exception as exc:  # network down, offline mode, unknown or gated repo, bad id
+        raise ModelNotFoundError(
+            f"could not fetch model {repo_id!r} from the Hugging Face Hub "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Without "
+            f"network access, download it on another machine (huggingface-cli download "
+            f"{repo_id}) and pass the local folder instead, e.g. model='/path/to/folder'"
+        ) from exc
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any,
+                  device: torch.device | str = "cpu") -> torch.dtype:
+    """"auto" -> the checkpoint's dtype (float16 becomes bfloat16 on the CPU, where float16
+    matmuls are slow and bfloat16 ones are fast; no dtype in the config means float32);
+    "float32" / "bfloat16" / "float16" (or a torch.dtype) as given."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of {list(DTYPES)}")
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of "
+                             f"{list(DTYPES)}")
+        return DTYPES[dtype]
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = DTYPES.get(config_dtype, None)
+    if config_dtype not in DTYPES.values():
+        return torch.float32
+    if torch.device(device).type == "cpu" and config_dtype == torch.float16:
+        return torch.bfloat16
+    return config_dtype
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu",
+               allow_pickle: bool = False) -> tuple[CausalLM, Any]:
+    """Build the model of the folder's config.json and load its weights: (model, hf_config)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model folder {str(path)!r} has no config.json")
+    hf_config = AutoConfig.from_pretrained(path)
+    model_class = get_model_class(hf_config)
+    files = weight_files(path, allow_pickle)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(hf_config)
+    load_weights(model, iterate_weights(files))
+    return model.eval(), hf_config
+
+
+def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
+    """The checkpoint's weight files: the shards of the safetensors index, or every
+    ``*.safetensors``; ``*.bin`` only when ``allow_pickle``."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise ModelNotFoundError(f"{index} lists shards that are missing: {missing}")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = sorted(path.glob("*.bin"))
+    if pickled and not allow_pickle:
+        raise ValueError(
+            f"{str(path)!r} holds only pickled weights ({', '.join(p.name for p in pickled)}); "
+            "unpickling can run arbitrary code, so they are refused. Convert them to "
+            "safetensors, or pass allow_pickle=True (--allow-pickle-weights) if you trust them")
+    if pickled:
+        return pickled
+    raise ModelNotFoundError(f"no weights (*.safetensors) in model folder {str(path)!r}")
+
+
+def iterate_weights(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the files, one file open at a time."""
+    from safetensors import safe_open
+
+    for file in files:
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+            yield from state.items()
+
+
+def load_weights(model: CausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into the model by name; fused projections through their shard
+    loaders. Raises ValueError on an unknown name and on any parameter (or shard) left unset,
+    since a missing tensor would otherwise leave uninitialised memory in the model."""
+    params = dict(model.named_parameters())
+    loaded: dict[str, set[str | int | None]] = {}
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_WEIGHTS) or (name == "lm_head.weight"
+                                               and model.tie_word_embeddings):
+            continue
+        target, shard_id = _target_of(name, model.packed_modules_mapping)
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of "
+                             f"{type(model).__name__}")
+        loader = getattr(param, "weight_loader", None)
+        with torch.no_grad():
+            if shard_id is not None:
+                loader(param, tensor, shard_id)
+            elif loader is not None:
+                loader(param, tensor)
+            else:
+                default_weight_loader(param, tensor)
+        loaded.setdefault(target, set()).add(shard_id)
+    _check_all_loaded(model, params, loaded)
+
+
+def _target_of(name: str, mapping: dict[str, tuple[str, str | int]]
+               ) -> tuple[str, str | int | None]:
+    for checkpoint_name, (fused_name, shard_id) in mapping.items():
+        if f".{checkpoint_name}." in name:
+            return name.replace(f".{checkpoint_name}.", f".{fused_name}."), shard_id
+    return name, None
+
+
+def _check_all_loaded(model: nn.Module, params: dict[str, nn.Parameter],
+                      loaded: dict[str, set[str | int | None]]) -> None:
+    missing = []
+    for name in params:
+        shards = loaded.get(name)
+        expected = getattr(model.get_submodule(name.rpartition(".")[0]), "shard_ids", None)
+        if not shards or (None not in shards and expected and set(expected) - shards):
+            missing.append(name)
+    if missing:
+        raise ValueError(f"the checkpoint lacks tensors for {len(missing)} parameter(s): "
+                         f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in ``dtype`` (no float32 copy of a bfloat16 model)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def get_tokenizer(path: str | Path, **kwargs: Any) -> Any:
+    """The model's tokenizer (with its chat template) through transformers.AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        folder = resolve_model_path(str(path))
+    return AutoTokenizer.from_pretrained(folder, **kwargs)
