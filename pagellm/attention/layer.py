@@ -1,0 +1,39 @@
+"""The attention layer the models call: heads in, heads out, K/V through the paged cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.attention.metadata import AttentionMetadata
+from pagellm.attention.torch_backend import paged_attention
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [num_blocks, block_size, KVH, D]
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention of a step's queries over their sequences' cached context.
+
+    Model code passes rotated q/k and v of the step's tokens plus this layer's cache; where
+    the context lives (which blocks, which sequence a token belongs to) comes from the
+    per-step AttentionMetadata, so the model never sees the scheduler.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
+                             f"num_key_value_heads={num_kv_heads}")
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale, self.sliding_window = scale, sliding_window
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]."""
+        k_cache, v_cache = kv_cache
+        return paged_attention(query, key, value, k_cache, v_cache, metadata, self.scale,
+                               self.sliding_window)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, sliding_window={self.sliding_window}")

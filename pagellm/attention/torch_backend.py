@@ -1,0 +1,135 @@
+"""Paged attention in plain PyTorch: the CPU path, and the reference the other kernels meet.
+
+Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer; the K/V of token
+``i`` of the step go to ``slot_mapping[i] = block * block_size + offset``.
+
+One call handles a whole step: write the step's K/V into their slots (one ``index_copy_``), then
+attend each query over its sequence's context read back through the block table, which covers
+tokens of earlier steps (earlier prompt chunks, prefix-cache hits) and of this one alike. Reading
+the step's own K/V back from the cache rather than from the projections keeps one code path for
+whole prompts, continued chunks and cached prefixes.
+
+- Prefills (query_len > 1) are gathered into a padded [num_prefills, max_query_len] grid and
+  run through ``scaled_dot_product_attention`` with a causal mask over absolute positions.
+- Decodes take a fast path: a query head group of grouped-query attention is treated as a
+  short query "sequence" attending one key/value head, so no K/V is repeated per query head.
+
+No Python loop runs over tokens or sequences; every op is batched over the whole group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+
+
+def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+    """Store key/value [num_tokens, num_kv_heads, head_dim] at ``metadata.slot_mapping``."""
+    slots = metadata.slot_mapping
+    if metadata.write_index is not None:  # padding tokens (slot -1) are not written
+        key, value = key[metadata.write_index], value[metadata.write_index]
+        slots = slots[metadata.write_index]
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """The context of each sequence: [num_seqs, num_kv_heads, max_num_blocks * block_size, D].
+
+    A strided view over one contiguous gather (index_select copies whole blocks); attention
+    kernels accept the head stride, so no transposed copy is made.
+    """
+    num_seqs, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    gathered = cache.index_select(0, block_tables.flatten())  # [S * max_blocks, bs, KVH, D]
+    return gathered.view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      prefill: PrefillMetadata, scale: float,
+                      sliding_window: int | None = None) -> torch.Tensor:
+    """query [num_prefill_tokens, num_heads, D] -> output of the same shape."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_prefills, max_query_len = prefill.query_positions.shape
+    padded = query.new_zeros(num_prefills * max_query_len, num_heads, head_dim)
+    padded.index_copy_(0, prefill.padded_index, query)
+    padded = padded.view(num_prefills, max_query_len, num_heads, head_dim).transpose(1, 2)
+    key = gather_blocks(k_cache, prefill.block_tables)  # [P, KVH, num_keys, D]
+    value = gather_blocks(v_cache, prefill.block_tables)
+    out = F.scaled_dot_product_attention(padded, key, value, attn_mask=prefill.mask(sliding_window),
+                                         scale=scale, enable_gqa=True)  # [P, H, max_q, D]
+    out = out.transpose(1, 2).reshape(num_prefills * max_query_len, num_heads, head_dim)
+    return out.index_select(0, prefill.padded_index)
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     decode: DecodeMetadata, scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """query [num_decodes, num_heads, D] (one token per sequence) -> output of the same shape."""
+    num_decodes, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    # The query heads sharing a KV head (grouped-query attention) form a short "sequence".
+    grouped = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    key = gather_blocks(k_cache, decode.block_tables)  # [S, KVH, num_keys, D]
+    value = gather_blocks(v_cache, decode.block_tables)
+    out = F.scaled_dot_product_attention(grouped, key, value,
+                                         attn_mask=decode.mask(sliding_window), scale=scale)
+    return out.reshape(num_decodes, num_heads, head_dim)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """One attention layer for a step.
+
+    query [num_tokens, num_heads, D]; key, value [num_tokens, num_kv_heads, D] of the step's
+    tokens (written to the cache here); returns [num_tokens, num_heads, D].
+    """
+    write_to_kv_cache(key, value, k_cache, v_cache, metadata)
+    num_prefill_tokens = metadata.num_prefill_tokens
+    if metadata.decode is None:
+        return prefill_attention(query, k_cache, v_cache, metadata.prefill, scale, sliding_window)
+    if metadata.prefill is None:
+        return decode_attention(query, k_cache, v_cache, metadata.decode, scale, sliding_window)
+    out = torch.empty_like(query)
+    out[:num_prefill_tokens] = prefill_attention(query[:num_prefill_tokens], k_cache, v_cache,
+                                                 metadata.prefill, scale, sliding_window)
+    out[num_prefill_tokens:] = decode_attention(query[num_prefill_tokens:], k_cache, v_cache,
+                                                metadata.decode, scale, sliding_window)
+    return out
+
+
+def reference_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              query_lens: list[int], seq_lens: list[int],
+                              block_tables: list[list[int]], scale: float,
+                              sliding_window: int | None = None) -> torch.Tensor:
+    """The definition, one sequence at a time, in float64: for a query at position p,
+    softmax(q . k_j * scale) over the sequence's keys j <= p (and j > p - window), times v_j.
+
+    Reads the cache slot by slot through the block table; the K/V of the step must already be
+    in the cache. query [num_tokens, num_heads, D] packed in sequence order.
+    """
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    outputs, start = [], 0
+    for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
+        slots = torch.tensor([table[j // block_size] * block_size + j % block_size
+                              for j in range(seq_len)])
+        key = k_cache.flatten(0, 1)[slots].double()  # [seq_len, KVH, D]
+        value = v_cache.flatten(0, 1)[slots].double()
+        key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, H, D]
+        value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        q = query[start:start + query_len].double()  # [query_len, H, D]
+        scores = torch.einsum("qhd,khd->hqk", q, key) * scale
+        query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+        key_pos = torch.arange(seq_len)[None, :]
+        visible = key_pos <= query_pos
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), value))
+        start += query_len
+    return torch.cat(outputs).to(query.dtype)
