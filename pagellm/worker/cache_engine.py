@@ -1,0 +1,86 @@
+"""CacheEngine: the KV cache tensors of every layer, block copies, and swap to CPU memory.
+
+The block manager (pagellm.kv) decides which block holds what; this class owns the memory the
+block ids point into and moves it when the manager says so (copy-on-write copies before a
+step, swap out/in on preemption).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pagellm.attention import KVCache
+from pagellm.model.decoder import head_dim_of
+
+
+class CacheEngine:
+    """Per-layer K and V caches ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Invariants: all layers live in one allocation ``[num_layers, 2, num_blocks, ...]`` (so a
+    block copy or swap is one indexed copy for all layers); the CPU swap cache has the same
+    layout with ``num_cpu_blocks`` blocks; both are zero-filled at start so that masked reads of
+    never-written slots are finite (softmax weight 0 times NaN would still be NaN).
+    """
+
+    def __init__(self, hf_config: Any, num_blocks: int, num_cpu_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if block_size <= 0 or num_blocks < 0 or num_cpu_blocks < 0:
+            raise ValueError(f"bad cache shape: num_blocks={num_blocks}, "
+                             f"num_cpu_blocks={num_cpu_blocks}, block_size={block_size}")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_blocks, self.num_cpu_blocks, self.block_size = num_blocks, num_cpu_blocks, block_size
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.head_dim = head_dim_of(hf_config)
+        block_shape = (block_size, self.num_kv_heads, self.head_dim)
+        self.device_cache = torch.zeros((self.num_layers, 2, num_blocks, *block_shape),
+                                        dtype=dtype, device=self.device)
+        self.cpu_cache = torch.zeros((self.num_layers, 2, num_cpu_blocks, *block_shape),
+                                     dtype=dtype, device="cpu",
+                                     pin_memory=self.device.type == "cuda")
+        self.kv_caches: list[KVCache] = [(self.device_cache[i, 0], self.device_cache[i, 1])
+                                         for i in range(self.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
+        """K and V of ``block_size`` tokens over all layers:
+        2 x layers x block_size x num_kv_heads x head_dim x dtype bytes."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return (2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads
+                * head_dim_of(hf_config) * element_size)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy device block src -> dst for each (src, dst), all layers (copy-on-write)."""
+        if not pairs:
+            return
+        src, dst = self._indices(pairs, self.num_blocks, self.num_blocks, self.device)
+        self.device_cache[:, :, dst] = self.device_cache[:, :, src]
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy device block -> CPU block for each (device, cpu) pair."""
+        if not pairs:
+            return
+        device_ids, cpu_ids = self._indices(pairs, self.num_blocks, self.num_cpu_blocks, "cpu")
+        self.cpu_cache[:, :, cpu_ids] = self.device_cache[:, :, device_ids.to(self.device)].cpu()
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy CPU block -> device block for each (cpu, device) pair."""
+        if not pairs:
+            return
+        cpu_ids, device_ids = self._indices(pairs, self.num_cpu_blocks, self.num_blocks, "cpu")
+        blocks = self.cpu_cache[:, :, cpu_ids].to(self.device)
+        self.device_cache[:, :, device_ids.to(self.device)] = blocks
+
+    @staticmethod
+    def _indices(pairs: Sequence[tuple[int, int]], num_src: int, num_dst: int,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+        src, dst = ids[:, 0], ids[:, 1]
+        if len(ids) and (src.min() < 0 or src.max() >= num_src
+                         or dst.min() < 0 or dst.max() >= num_dst):
+            raise ValueError(f"block ids out of range (source < {num_src}, "
+                             f"destination < {num_dst}): {list(pairs)[:8]}")
+        return src.to(device), dst.to(device)
