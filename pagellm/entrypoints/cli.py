@@ -13,6 +13,7 @@ import sys
 # Order is the order shown in --help.
 COMMAND_MODULES = (
     "kv_calc",
+    "bench",
 )
 
 
