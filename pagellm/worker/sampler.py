@@ -227,8 +227,9 @@ def _sample_random(logits: Tensor, params: list[SamplingParams],
 
 
 def apply_top_k_top_p(logits: Tensor, top_k: list[int], top_p: list[float]) -> Tensor:
-    """Masks to -inf all but each row's top-k tokens, then all but the smallest set of those
-    whose (renormalised) probability reaches top_p. ``top_k`` 0 and ``top_p`` 1 disable.
+    """Masks to -inf, in place, all but each row's top-k tokens, then all but the smallest set
+    of those whose (renormalised) probability reaches top_p. ``top_k`` 0 and ``top_p`` 1
+    disable them.
 
     Each row gets one cut-off logit and tokens below it are masked, so tokens tied with the
     cut-off are all kept: which of several tied tokens survives must not depend on how a sort
@@ -313,7 +314,8 @@ def _inverse_cdf_sample(probs: Tensor, generators: list[torch.Generator | None])
     cdf = probs.cumsum(dim=-1)  # [rows, vocab]
     total = cdf[:, -1:]
     # Stay strictly below the total, so that the search never runs past the last token.
-    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    below_total = torch.nextafter(total, torch.zeros_like(total))
+    target = torch.minimum(uniform[:, None] * total, below_total)
     # The first position whose cdf exceeds the target: a zero-probability token never is.
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
