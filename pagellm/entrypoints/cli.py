@@ -12,6 +12,9 @@ import sys
 
 # Order is the order shown in --help.
 COMMAND_MODULES = (
+    "serve",
+    "generate",
+    "chat",
     "kv_calc",
     "bench",
 )

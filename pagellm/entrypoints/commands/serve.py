@@ -1,0 +1,65 @@
+"""``pagellm serve MODEL``: the OpenAI-compatible server."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from pagellm.entrypoints.commands.engine_flags import add_engine_flags, engine_args_from
+
+API_KEY_ENV = "PAGELLM_API_KEY"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models), with /health, /metrics (Prometheus), "
+                    "/stats (KV cache snapshot), /tokenize and /detokenize. Stops gracefully "
+                    "on SIGINT/SIGTERM.")
+    p.add_argument("model", help="a local model folder or hub id")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    p.add_argument("--api-key", default=None,
+                   help=f"demand 'Authorization: Bearer KEY' on every /v1 route "
+                        f"(default: ${API_KEY_ENV} when set, else no key)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use in requests; the first is reported in "
+                        "responses (default: MODEL)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: info)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log the periodic throughput / KV cache line")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between stats log lines (default: 10)")
+    add_engine_flags(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagellm.core.async_engine import AsyncLLMEngine
+    from pagellm.entrypoints.openai.api_server import ServerConfig, run_server
+    from pagellm.metrics import EngineMetrics, StatsLogger
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is invalid: must be in [0, 65535]")
+    engine_args = engine_args_from(args)
+    names = args.served_model_name or [args.model]
+    metrics = EngineMetrics(names[0])
+    stats_logger = StatsLogger(args.log_stats_interval)
+
+    def on_step(outputs, stats) -> None:
+        metrics.observe_step(outputs, stats)
+        if not args.disable_log_stats:
+            stats_logger.maybe_log(stats)
+
+    engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=on_step)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
+                          served_model_names=tuple(names),
+                          uvicorn_log_level=args.uvicorn_log_level)
+    run_server(engine, args.model, config, metrics)
+    return 0

@@ -1,0 +1,219 @@
+"""What completions and chat completions share: request checks, SamplingParams, waiting for
+results while watching for a client disconnect, streaming deltas and server-sent events."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagellm.core.async_engine import AsyncLLMEngine, NewRequest, OutputStream
+from pagellm.entrypoints.openai.errors import APIError, api_error_from_exception, error_body
+from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagellm")
+
+# JSON has no -inf; OpenAI's clients expect a number (vLLM sends the same floor).
+LOGPROB_FLOOR = -9999.0
+
+
+@dataclass
+class ServerContext:
+    """What the handlers need. ``tokenizer`` is the server's own copy: the engine loop thread
+    uses the engine's tokenizer, and a Rust tokenizer must not be shared across threads."""
+
+    engine: AsyncLLMEngine
+    tokenizer: Any
+    served_model_names: list[str]
+    model_path: str
+    max_model_len: int
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(f"the model '{name}' does not exist; this server serves "
+                           f"{', '.join(self.served_model_names)}", 400, "model",
+                           "model_not_found")
+
+    def encode(self, text: str) -> list[int]:
+        # The same call as LLMEngine.tokenize_prompt, so that a prompt tokenises identically
+        # through the server and the offline API.
+        return list(self.tokenizer.encode(text))
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from the request fields; a bad value is a 400 naming the field."""
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported", 400, "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", 400,
+                       "stream_options")
+    values = dict(
+        n=req.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
+        top_k=_default(req.top_k, 0), min_p=_default(req.min_p, 0.0),
+        presence_penalty=_default(req.presence_penalty, 0.0),
+        frequency_penalty=_default(req.frequency_penalty, 0.0),
+        repetition_penalty=_default(req.repetition_penalty, 1.0), seed=req.seed,
+        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens)
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        raise api_error_from_exception(exc) from exc
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+async def add_requests(ctx: ServerContext, requests: list[NewRequest]) -> OutputStream:
+    try:
+        return await ctx.engine.add_requests(requests)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - mapped to 400/503/500
+        raise api_error_from_exception(exc) from exc
+
+
+async def collect(ctx: ServerContext, stream: OutputStream, raw: Request
+                  ) -> dict[str, RequestOutput]:
+    """Wait for every request of the stream to finish; abort them if the client goes away
+    first (a plain response, unlike a stream, is not cancelled by the server on disconnect)."""
+    final: dict[str, RequestOutput] = {}
+
+    async def consume() -> None:
+        async for updates in stream:
+            for output in updates:
+                final[output.request_id] = output
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+        ctx.engine.release(stream)
+    if not consumer.done() or consumer.cancelled():
+        raise APIError("client disconnected", 499)
+    if consumer.exception() is not None:
+        raise api_error_from_exception(consumer.exception())
+    check_outputs(final.values())
+    return final
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def check_outputs(outputs) -> None:
+    """A request the engine finished with an error (e.g. it can never fit in the KV cache),
+    or aborted because the server is shutting down, is not a success."""
+    for output in outputs:
+        if output.error:
+            raise APIError(output.error, 400)
+        if any(c.finish_reason == "abort" for c in output.outputs):
+            raise APIError("the request was aborted: the server is shutting down", 503)
+
+
+def usage_of(outputs) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion)
+
+
+# ---------------------------------------------------------------------------- streaming
+@dataclass(slots=True)
+class Delta:
+    """What one completion gained since the previous chunk."""
+
+    text: str
+    token_start: int  # new tokens are token_ids[token_start:]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    first: bool
+
+
+@dataclass
+class DeltaTracker:
+    """Turns cumulative outputs into deltas. While a completion runs, the last
+    ``output_text_buffer_length`` characters are held back: they may be the start of a stop
+    string that is later cut from the text, and text once sent cannot be taken back."""
+
+    holdback: int
+    sent_text: dict[tuple[str, int], int] = field(default_factory=dict)
+    sent_tokens: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def delta(self, request_id: str, c: CompletionOutput) -> Delta | None:
+        key = (request_id, c.index)
+        first = key not in self.sent_text
+        text_sent = self.sent_text.get(key, 0)
+        tokens_sent = self.sent_tokens.get(key, 0)
+        finished = c.finish_reason is not None
+        visible = len(c.text) if finished else max(len(c.text) - self.holdback, text_sent)
+        text = c.text[text_sent:visible]
+        if not first and not text and len(c.token_ids) == tokens_sent and not finished:
+            return None
+        self.sent_text[key] = visible
+        self.sent_tokens[key] = len(c.token_ids)
+        return Delta(text, tokens_sent, c.finish_reason, c.stop_reason, first)
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def sse_events(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Frame chunks as server-sent events, end with ``[DONE]``; an error after the response
+    has started is sent as an error event (the status line is already gone)."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except APIError as exc:
+        yield sse(error_body(exc.message, exc.status, exc.param, exc.code))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        err = api_error_from_exception(exc)
+        yield sse(error_body(err.message, err.status, err.param, err.code))
+    yield sse("[DONE]")
+
+
+class EventStreamResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator when it ends, also when the
+    client disconnects in mid-stream: closing runs the generator's ``finally``, which aborts the
+    request and frees its KV blocks at once rather than whenever the generator is collected."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

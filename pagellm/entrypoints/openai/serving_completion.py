@@ -1,0 +1,166 @@
+"""``POST /v1/completions``: one engine request per prompt, ``n`` completions each.
+
+Choice ``i * n + j`` is completion ``j`` of prompt ``i``, as in OpenAI's API. All prompts of a
+call are added to the engine as one group (all or none), so a bad prompt in a batch rejects the
+whole call with a 400 and leaves nothing running.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagellm.core.async_engine import NewRequest, OutputStream
+from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs,
+                                                 CompletionRequest, CompletionResponse,
+                                                 random_id)
+from pagellm.entrypoints.openai.serving import (LOGPROB_FLOOR, DeltaTracker, EventStreamResponse,
+                                                ServerContext, add_requests, check_outputs,
+                                                collect, sampling_params, sse_events, usage_of)
+from pagellm.outputs import LogprobsDict, RequestOutput
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
+    ctx.check_model(req.model)
+    if req.suffix:
+        raise APIError("suffix is not supported", 400, "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(f"best_of={req.best_of} is not supported: it must equal n={req.n}",
+                       400, "best_of")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise APIError("echo with logprobs is not supported when streaming", 400, "echo")
+    prompts = _prompts(ctx, req.prompt)
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+    base_id = random_id("cmpl")
+    requests = [NewRequest(f"{base_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params,
+                           req.priority, req.cache_salt)
+                for i, (text, ids) in enumerate(prompts)]
+    stream = await add_requests(ctx, requests)
+    order = {r.request_id: i for i, r in enumerate(requests)}
+    texts = [text for text, _ in prompts]
+    if req.stream:
+        chunks = _stream_chunks(ctx, req, stream, base_id, order, texts,
+                                params.output_text_buffer_length)
+        return EventStreamResponse(sse_events(chunks))
+    final = await collect(ctx, stream, raw)
+    outputs = sorted(final.values(), key=lambda o: order[o.request_id])
+    choices = [_choice(ctx, req, order[o.request_id], o, texts[order[o.request_id]])
+               for o in outputs]
+    choices = [c for group in choices for c in group]
+    response = CompletionResponse(id=base_id, model=ctx.model_name, choices=choices,
+                                  usage=usage_of(outputs))
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+def _prompts(ctx: ServerContext, prompt) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of each prompt; token-id prompts are decoded for ``echo``."""
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError("prompt must not be empty", 400, "prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((item, ctx.encode(item)))
+        else:
+            vocab = len(ctx.tokenizer)
+            bad = next((t for t in item if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(f"prompt token id {bad} is out of range [0, {vocab})", 400,
+                               "prompt")
+            out.append((ctx.tokenizer.decode(item), list(item)))
+    return out
+
+
+def _choice(ctx: ServerContext, req: CompletionRequest, prompt_index: int, output: RequestOutput,
+            prompt_text: str) -> list[CompletionChoice]:
+    choices = []
+    for c in output.outputs:
+        prefix = prompt_text if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if req.echo:
+                _append_logprobs(logprobs, output.prompt_token_ids,
+                                 output.prompt_logprobs or [], ctx, 0)
+            _append_logprobs(logprobs, c.token_ids, c.logprobs or [], ctx, len(prefix))
+        choices.append(CompletionChoice(index=prompt_index * req.n + c.index,
+                                        text=prefix + c.text, logprobs=logprobs,
+                                        finish_reason=c.finish_reason,
+                                        stop_reason=c.stop_reason))
+    return choices
+
+
+def _append_logprobs(out: CompletionLogprobs, token_ids: list[int],
+                     logprobs: list[LogprobsDict | None], ctx: ServerContext,
+                     offset: int) -> int:
+    """Append OpenAI's completions logprobs for ``token_ids``, whose text starts at ``offset``
+    (a None entry, the prompt's first token, has no logprob). Returns the offset after them."""
+    for token, entry in zip(token_ids, logprobs):
+        chosen = entry.get(token) if entry else None
+        text = _token_text(ctx, token, chosen)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(max(chosen.logprob, LOGPROB_FLOOR) if chosen else None)
+        out.top_logprobs.append({_token_text(ctx, tid, lp): max(lp.logprob, LOGPROB_FLOOR)
+                                 for tid, lp in entry.items()})
+    return offset
+
+
+def _token_text(ctx: ServerContext, token: int, logprob) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return ctx.tokenizer.decode([token])
+
+
+async def _stream_chunks(ctx: ServerContext, req: CompletionRequest, stream: OutputStream,
+                         base_id: str, order: dict[str, int], texts: list[str],
+                         holdback: int) -> AsyncIterator[dict]:
+    created = int(time.time())
+    tracker = DeltaTracker(holdback)
+    offsets: dict[tuple[str, int], int] = {}  # text offset of each choice's next token
+    final: dict[str, RequestOutput] = {}
+    try:
+        async for updates in stream:
+            check_outputs(o for o in updates if o.finished)
+            choices = []
+            for output in updates:
+                final[output.request_id] = output
+                prompt_index = order[output.request_id]
+                for c in output.outputs:
+                    d = tracker.delta(output.request_id, c)
+                    if d is None:
+                        continue
+                    text = (texts[prompt_index] if req.echo and d.first else "") + d.text
+                    logprobs = None
+                    if req.logprobs is not None:
+                        key = (output.request_id, c.index)
+                        logprobs = CompletionLogprobs()
+                        offsets[key] = _append_logprobs(
+                            logprobs, c.token_ids[d.token_start:],
+                            (c.logprobs or [])[d.token_start:], ctx, offsets.get(key, 0))
+                    choices.append(CompletionChoice(
+                        index=prompt_index * req.n + c.index, text=text, logprobs=logprobs,
+                        finish_reason=d.finish_reason, stop_reason=d.stop_reason))
+            if choices:
+                yield CompletionResponse(id=base_id, created=created, model=ctx.model_name,
+                                         choices=choices).model_dump(mode="json")
+        if req.stream_options and req.stream_options.include_usage:
+            yield CompletionResponse(id=base_id, created=created, model=ctx.model_name,
+                                     choices=[], usage=usage_of(final.values())
+                                     ).model_dump(mode="json")
+    finally:
+        ctx.engine.release(stream)
