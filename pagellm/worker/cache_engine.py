@@ -20,8 +20,8 @@ class CacheEngine:
 
     Invariants: all layers live in one allocation ``[num_layers, 2, num_blocks, ...]`` (so a
     block copy or swap is one indexed copy for all layers); the CPU swap cache has the same
-    layout with ``num_cpu_blocks`` blocks; both are zero-filled at start so that masked reads of
-    never-written slots are finite (softmax weight 0 times NaN would still be NaN).
+    layout with ``num_cpu_blocks`` blocks. The device cache is zero-filled at start so that masked
+    reads of never-written slots are finite (softmax weight 0 times NaN would still be NaN).
     """
 
     def __init__(self, hf_config: Any, num_blocks: int, num_cpu_blocks: int, block_size: int,
@@ -38,7 +38,9 @@ class CacheEngine:
         block_shape = (block_size, self.num_kv_heads, self.head_dim)
         self.device_cache = torch.zeros((self.num_layers, 2, num_blocks, *block_shape),
                                         dtype=dtype, device=self.device)
-        self.cpu_cache = torch.zeros((self.num_layers, 2, num_cpu_blocks, *block_shape),
+        # The swap space is only ever read where a swap-out wrote first, so it need not be
+        # zero-filled: left empty, the OS commits its pages only as swapped blocks land there.
+        self.cpu_cache = torch.empty((self.num_layers, 2, num_cpu_blocks, *block_shape),
                                      dtype=dtype, device="cpu",
                                      pin_memory=self.device.type == "cuda")
         self.kv_caches: list[KVCache] = [(self.device_cache[i, 0], self.device_cache[i, 1])

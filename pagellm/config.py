@@ -1,0 +1,113 @@
+"""Engine arguments: the user's knobs, validated with errors that name the value and its limit.
+
+The names and meanings follow vLLM's ``EngineArgs`` so that a vLLM user only changes the import.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# On the CPU, without kv_cache_memory_bytes, the KV cache takes this share of the RAM that is
+# available at start-up: enough for hundreds of concurrent sequences of a small model while
+# leaving the rest to weights, activations and the swap space.
+CPU_KV_CACHE_RAM_SHARE = 0.10
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+_GiB = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything ``LLM(...)`` and ``pagellm serve`` accept (see README for defaults)."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.90
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    block_size: int = 16
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str | None = None  # "swap", "recompute", or None: swap while there is room
+    scheduling_policy: str = "fcfs"  # or "priority"
+    # "paged" (pagellm) or "contiguous": the max-length reservation baseline, for comparisons.
+    kv_allocator: str = "paged"
+    allow_pickle_weights: bool = False
+    watermark: float = 0.01
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field, its value and its limit."""
+        _check(isinstance(self.model, str) and self.model.strip() != "", "model", self.model,
+               "a local folder or a hub id")
+        _choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _int_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
+                "supported yet; use tensor_parallel_size=1")
+        _check(isinstance(self.gpu_memory_utilization, (int, float))
+               and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+               self.gpu_memory_utilization, "must be in (0, 1]")
+        if self.kv_cache_memory_bytes is not None:
+            _int_at_least("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        if self.num_gpu_blocks_override is not None:
+            _int_at_least("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
+        if self.max_model_len is not None:
+            _int_at_least("max_model_len", self.max_model_len, 1)
+        if self.max_num_batched_tokens is not None:
+            _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _int_at_least("max_num_seqs", self.max_num_seqs, 1)
+        _int_at_least("block_size", self.block_size, 1)
+        _check(self.block_size <= 1024, "block_size", self.block_size, "must be <= 1024")
+        _check(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0, "swap_space",
+               self.swap_space, "must be >= 0 (GiB)")
+        _check(isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+        _choice("preemption_mode", self.preemption_mode, (None, "swap", "recompute"))
+        _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+        _choice("kv_allocator", self.kv_allocator, ("paged", "contiguous"))
+        _check(isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1,
+               "watermark", self.watermark, "must be in [0, 1)")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * _GiB)
+
+    def resolve_max_num_batched_tokens(self, max_model_len: int) -> int:
+        """The per-step token budget. Without chunked prefill a whole prompt must fit in it."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        elif not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} is smaller than max_model_len={max_model_len}; "
+                "without chunked prefill a whole prompt must fit in one step: raise it, lower "
+                "max_model_len or enable chunked prefill")
+        return budget
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+
+def _check(ok: bool, name: str, value: object, limit: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: {limit}")
+
+
+def _int_at_least(name: str, value: object, low: int) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value >= low, name, value,
+           f"must be an integer >= {low}")
+
+
+def _choice(name: str, value: object, choices: tuple) -> None:
+    _check(value in choices, name, value, f"must be one of {', '.join(map(repr, choices))}")

@@ -1,0 +1,181 @@
+"""Engine start-up: resolve the device, load the model, size the KV cache, build the layers.
+
+KV cache sizing follows vLLM: on CUDA, profile a maximum-size batch and give the KV cache
+``gpu_memory_utilization`` × total memory minus what the weights and the peak activations take;
+on the CPU, ``kv_cache_memory_bytes`` when given, else ``CPU_KV_CACHE_RAM_SHARE`` of the RAM
+available at start-up. ``num_gpu_blocks_override`` wins over both.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagellm.config import CPU_KV_CACHE_RAM_SHARE, EngineArgs
+from pagellm.core.scheduler import Scheduler, SchedulerConfig
+from pagellm.kv import ContiguousKVCacheManager, KVCacheManager
+from pagellm.model.loader import get_tokenizer, load_model, resolve_dtype, resolve_model_path
+from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.model_runner import ModelRunner, ScheduledSeq
+from pagellm.worker.sampler import Sampler
+
+logger = logging.getLogger("pagellm")
+
+
+@dataclass(slots=True)
+class EngineComponents:
+    device: torch.device
+    hf_config: Any
+    tokenizer: Any
+    max_model_len: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    kv: Any
+    cache_engine: CacheEngine
+    runner: ModelRunner
+    sampler: Sampler
+    scheduler: Scheduler
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_max_model_len(args: EngineArgs, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if args.max_model_len is None:
+        if limit is None:
+            raise ValueError("the model config has no max_position_embeddings: set max_model_len")
+        return int(limit)
+    if limit is not None and args.max_model_len > limit:
+        raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    return args.max_model_len
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_components(args: EngineArgs) -> EngineComponents:
+    args.validate()
+    torch.manual_seed(args.seed)
+    device = resolve_device(args.device)
+    path = resolve_model_path(args.model)
+    hf_config = _load_config(path)
+    dtype = resolve_dtype(args.dtype, hf_config, device)
+    model, hf_config = load_model(path, dtype=dtype, device=device,
+                                  allow_pickle=args.allow_pickle_weights)
+    tokenizer = get_tokenizer(args.tokenizer or path)
+    max_model_len = resolve_max_model_len(args, hf_config)
+    budget = args.resolve_max_num_batched_tokens(max_model_len)
+    block_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype)
+    num_gpu_blocks = _num_device_blocks(args, model, hf_config, dtype, device, block_bytes,
+                                        budget, max_model_len)
+    num_cpu_blocks = args.swap_space_bytes // block_bytes
+    _check_fits(args, num_gpu_blocks, max_model_len)
+    _log_sizing(args, num_gpu_blocks, num_cpu_blocks, block_bytes, max_model_len)
+    kv = _make_kv_manager(args, num_gpu_blocks, num_cpu_blocks, max_model_len)
+    cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size, dtype,
+                               device)
+    runner = ModelRunner(model, cache_engine, device)
+    sampler = Sampler(hf_config.vocab_size, getattr(tokenizer, "eos_token_id", None))
+    scheduler = Scheduler(SchedulerConfig(
+        max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
+        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        preemption_mode=args.preemption_mode, policy=args.scheduling_policy), kv)
+    return EngineComponents(device, hf_config, tokenizer, max_model_len, num_gpu_blocks,
+                            num_cpu_blocks, kv, cache_engine, runner, sampler, scheduler)
+
+
+def _load_config(path) -> Any:
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
+
+
+def _make_kv_manager(args: EngineArgs, num_gpu_blocks: int, num_cpu_blocks: int,
+                     max_model_len: int):
+    if args.kv_allocator == "contiguous":
+        return ContiguousKVCacheManager(num_gpu_blocks, args.block_size, max_model_len,
+                                        num_cpu_blocks=num_cpu_blocks)
+    return KVCacheManager(num_gpu_blocks, args.block_size, num_cpu_blocks=num_cpu_blocks,
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          watermark=args.watermark)
+
+
+def _num_device_blocks(args: EngineArgs, model, hf_config, dtype, device: torch.device,
+                       block_bytes: int, budget: int, max_model_len: int) -> int:
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override
+    if args.kv_cache_memory_bytes is not None:
+        kv_bytes = args.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        kv_bytes = _profile_cuda_kv_bytes(args, model, hf_config, dtype, device, budget,
+                                          max_model_len)
+    else:
+        kv_bytes = int(available_ram_bytes() * CPU_KV_CACHE_RAM_SHARE)
+    return max(kv_bytes // block_bytes, 0)
+
+
+def _profile_cuda_kv_bytes(args: EngineArgs, model, hf_config, dtype, device: torch.device,
+                           budget: int, max_model_len: int) -> int:
+    """Run one maximum-size prefill batch over a scratch cache and measure the peak memory."""
+    num_tokens = min(budget, args.max_num_seqs * max_model_len)
+    seq_len = min(max_model_len, num_tokens)
+    num_seqs = -(-num_tokens // seq_len)
+    blocks_per_seq = -(-seq_len // args.block_size)
+    scratch = CacheEngine(hf_config, num_seqs * blocks_per_seq, 0, args.block_size, dtype, device)
+    runner = ModelRunner(model, scratch, device)
+    batch = [ScheduledSeq([0] * seq_len, 0, seq_len,
+                          list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                          need_logits=True) for i in range(num_seqs)]
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.execute(batch)
+    torch.cuda.synchronize(device)
+    scratch_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype) * (
+        num_seqs * blocks_per_seq)
+    peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
+    del runner, scratch
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    kv_bytes = int(total * args.gpu_memory_utilization) - peak
+    if kv_bytes <= 0:
+        raise ValueError(
+            f"no memory left for the KV cache: weights and activations peak at {peak} bytes, "
+            f"gpu_memory_utilization={args.gpu_memory_utilization} allows {int(total * args.gpu_memory_utilization)}")
+    return kv_bytes
+
+
+def _check_fits(args: EngineArgs, num_gpu_blocks: int, max_model_len: int) -> None:
+    needed = -(-max_model_len // args.block_size)
+    if num_gpu_blocks < needed:
+        raise ValueError(
+            f"the KV cache has {num_gpu_blocks} blocks of {args.block_size} tokens, but one "
+            f"sequence of max_model_len={max_model_len} needs {needed}: give the KV cache more "
+            "memory (kv_cache_memory_bytes, gpu_memory_utilization, num_gpu_blocks_override) or "
+            "lower max_model_len")
+
+
+def _log_sizing(args: EngineArgs, num_gpu_blocks: int, num_cpu_blocks: int, block_bytes: int,
+                max_model_len: int) -> None:
+    tokens = num_gpu_blocks * args.block_size
+    logger.info("KV cache: %d device blocks, %d CPU swap blocks of %d tokens (%.2f MiB device, "
+                "%.2f MiB swap); %d tokens; maximum concurrency at %d tokens per request: %.2fx",
+                num_gpu_blocks, num_cpu_blocks, args.block_size,
+                num_gpu_blocks * block_bytes / 2**20, num_cpu_blocks * block_bytes / 2**20,
+                tokens, max_model_len, tokens / max_model_len)
