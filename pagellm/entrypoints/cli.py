@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "generate",
     "chat",
     "kv_calc",
+    "demo",
     "bench",
 )
 
