@@ -103,7 +103,8 @@ def _add_throughput(modes) -> None:
     p.add_argument("--kv-allocator", choices=("paged", "contiguous"), default="paged")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space")
+    p.add_argument("--swap-space", type=float, default=1.0,
+                   help="GiB of CPU swap space (default 1)")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"), default=None)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="KV slots over time")
     add_workload_args(p, num_prompts=200)

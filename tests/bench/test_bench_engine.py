@@ -1,0 +1,121 @@
+"""Smoke runs of ``bench throughput``, ``bench memory`` and ``bench engine`` on a tiny model:
+the JSON holds the promised fields and the books balance. No timing assertions."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagellm.bench.memory_experiment import SYSTEMS, MemoryExperimentConfig, run_memory_experiment
+from pagellm.bench.throughput import EngineOptions, accounting_errors, benchmark_throughput
+from pagellm.bench.workloads import WorkloadSpec, build_workload
+
+SMALL_WORKLOAD = WorkloadSpec(num_prompts=12, seed=5, input_len=(8, 64), output_len=(4, 32))
+
+
+def _workload(spec=SMALL_WORKLOAD):
+    return build_workload(spec, vocab_size=512)
+
+
+def _check_run(result: dict, max_num_seqs: int, requested: int) -> None:
+    assert result["output_tokens"] == requested
+    assert 0.0 <= result["kv_waste_ratio"] <= 1.0
+    assert 1 <= result["peak_concurrency"] <= max_num_seqs
+    assert result["output_tokens_per_s"] > 0
+    for point in result["timeline"]:
+        assert point["running"] <= max_num_seqs
+        assert 0 <= point["slots_filled"] <= point["slots_reserved"] <= result["kv_slots_budget"]
+
+
+@pytest.mark.parametrize("allocator", ["paged", "contiguous"])
+def test_throughput_accounting(tiny_model, allocator):
+    workload = _workload()
+    options = EngineOptions(model=str(tiny_model), kv_allocator=allocator, dtype="float32",
+                            max_num_seqs=6, num_gpu_blocks_override=96, swap_space=0.01)
+    result = benchmark_throughput(options, workload.requests)
+    assert result["accounting_errors"] == []
+    requested = sum(r.output_len for r in workload.requests)
+    _check_run(result, 6, requested)
+    assert result["generated_tokens"] == requested
+    assert result["failed_requests"] == 0
+
+
+def test_shared_prefix_hits_the_prefix_cache(tiny_model):
+    spec = WorkloadSpec(name="shared-prefix", num_prompts=8, prefix_len=64, input_len=(4, 16),
+                        output_len=(2, 8))
+    options = EngineOptions(model=str(tiny_model), dtype="float32", max_num_seqs=4,
+                            num_gpu_blocks_override=128, swap_space=0.01)
+    result = benchmark_throughput(options, _workload(spec).requests)
+    assert result["prefix_hit_rate"] > 0.5
+    assert result["accounting_errors"] == []
+
+
+def test_memory_experiment_report(tiny_model, tmp_path):
+    from pagellm.bench.memory_experiment import save_plots
+
+    workload = _workload()
+    config = MemoryExperimentConfig(model=str(tiny_model), dtype="float32", max_num_seqs=16,
+                                    max_num_batched_tokens=512, block_sizes=(8, 32))
+    report = run_memory_experiment(config, workload)
+    requested = sum(r.output_len for r in workload.requests)
+    budget = report["budget"]
+    assert budget["max_model_len"] == 256 and budget["max_len_reservations"] == 8
+    for name in SYSTEMS:
+        for key in ("kv_waste_ratio", "peak_concurrency", "output_tokens_per_s"):
+            assert key in report[name]
+        _check_run(report[name], 16, requested)
+        assert report[name]["kv_slots_budget"] == budget["num_slots"]
+    # Static batches compute at least what was asked; the others exactly that.
+    assert report["hf"]["generated_tokens"] >= requested
+    # The contiguous allocator holds at most the budget's number of max-length reservations.
+    assert report["contiguous"]["peak_concurrency"] <= budget["max_len_reservations"]
+    assert report["paged"]["kv_waste_ratio"] < report["contiguous"]["kv_waste_ratio"]
+    assert set(report["ratios"]) >= {"concurrency_paged_over_contiguous",
+                                     "throughput_paged_over_contiguous",
+                                     "throughput_paged_over_hf",
+                                     "throughput_paged_over_hf_continuous"}
+    assert report["accounting_errors"] == []
+    assert [row["block_size"] for row in report["block_size_sweep"]] == [8, 32]
+    paths = save_plots(report, tmp_path)
+    assert len(paths) == 4 and all(p.stat().st_size > 0 for p in paths)
+    json.dumps(report)
+
+
+def test_accounting_errors_are_reported():
+    good = {"system": "paged", "output_tokens": 10, "requested_output_tokens": 10,
+            "generated_tokens": 10, "kv_waste_ratio": 0.1, "peak_concurrency": 4,
+            "max_num_seqs": 4}
+    assert accounting_errors(good) == []
+    assert len(accounting_errors({**good, "generated_tokens": 9, "peak_concurrency": 5})) == 2
+
+
+def test_engine_step_split(tiny_model):
+    from pagellm.bench.engine_step import StepBenchConfig, benchmark_engine_step
+
+    report = benchmark_engine_step(StepBenchConfig(model=str(tiny_model), dtype="float32",
+                                                   batch_sizes=(1, 4), prompt_len=20,
+                                                   decode_steps=3))
+    rows = report["results"]
+    assert [r["num_seqs"] for r in rows] == [1, 4]
+    for row in rows:
+        assert 0.0 <= row["overhead_fraction"] <= 1.0
+        assert row["model_forward_ms"] > 0 and row["stages_ms"]["sample"] > 0
+    assert report["target"]["num_seqs"] == 4
+
+
+def test_cli_memory_and_throughput(tiny_model, tmp_path, monkeypatch):
+    from pagellm.entrypoints.cli import main
+
+    common = ["--model", str(tiny_model), "--dtype", "float32", "--num-prompts", "6",
+              "--input-len", "8,32", "--output-len", "2,12", "--max-num-seqs", "8"]
+    out = tmp_path / "memory.json"
+    assert main(["bench", "memory", *common, "--systems", "paged,contiguous",
+                 "--output-json", str(out), "--plot-dir", str(tmp_path / "img")]) == 0
+    report = json.loads(out.read_text())
+    assert set(report) >= {"paged", "contiguous", "ratios", "budget", "workload"}
+    assert "hf" not in report and report["ratios"]["throughput_paged_over_hf"] is None
+    assert (tmp_path / "img" / "memory_kv_over_time.png").exists()
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", *common, "--num-gpu-blocks-override", "64",
+                 "--swap-space", "0.01", "--output-json", str(out)]) == 0
+    assert json.loads(out.read_text())["output_tokens"] == report["workload"]["output_tokens_total"]
