@@ -142,7 +142,7 @@ class StatsLogger:
     def __init__(self, interval: float = 10.0) -> None:
         self.interval = interval
         self._lock = threading.Lock()
-        self._last_time = time.monotonic()
+        self._last_time = 0.0
         self._last: EngineStats | None = None
         self._logged_idle = False
 
@@ -152,13 +152,16 @@ class StatsLogger:
             return None
         now = time.monotonic() if now is None else now
         with self._lock:
+            if self._last is None:  # the first snapshot starts the first interval
+                self._last, self._last_time = stats, now
+                return None
             if now - self._last_time < self.interval:
                 return None
             busy = stats.num_running + stats.num_waiting + stats.num_swapped > 0
-            moved = self._last is None or (
-                stats.prompt_tokens_total != self._last.prompt_tokens_total
-                or stats.generation_tokens_total != self._last.generation_tokens_total)
+            moved = (stats.prompt_tokens_total != self._last.prompt_tokens_total
+                     or stats.generation_tokens_total != self._last.generation_tokens_total)
             if not busy and not moved and self._logged_idle:
+                self._last_time = now  # quiet time is not averaged into the next line
                 return None
             line = format_stats_line(stats, self._last, now - self._last_time)
             self._logged_idle = not busy

@@ -28,10 +28,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    engine_args = engine_args_from(args)  # bad flags fail before the slow imports
+    params = sampling_params_from(args)
     from pagellm.core.engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(engine_args_from(args))
-    params = sampling_params_from(args)
+    engine = LLMEngine.from_engine_args(engine_args)
     interactive = sys.stdin.isatty()
     if interactive:
         print(HELP_TEXT)

@@ -49,11 +49,12 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    engine_args = engine_args_from(args)  # bad flags fail before the slow imports
+    params = sampling_params_from(args)
     from pagellm.core.engine import LLMEngine
 
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    params = sampling_params_from(args)
-    engine = LLMEngine.from_engine_args(engine_args_from(args))
+    engine = LLMEngine.from_engine_args(engine_args)
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": prompt_text})

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 Number = StrictFloat | StrictInt
+# What torch.Generator.manual_seed accepts: a larger seed would fail inside the engine.
+Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
 
 
 def random_id(prefix: str) -> str:
@@ -34,7 +36,7 @@ class SamplingRequest(BaseModel):
     temperature: Number | None = None
     top_p: Number | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    seed: Seed | None = None
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
