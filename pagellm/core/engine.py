@@ -235,8 +235,16 @@ class LLMEngine:
                          self._generator(request.params, index))
         child.num_computed_tokens = parent.num_computed_tokens
         child.detokenizer = self.output_processor.new_detokenizer(child)
-        self.kv.fork(parent.seq_id, child.seq_id)
         request.seqs.append(child)
+        copies = self.kv.fork(parent.seq_id, child.seq_id)
+        if copies is None:
+            # The contiguous baseline found no free reservation for the child: it waits and
+            # recomputes its tokens when admitted, like a sequence preempted by recompute.
+            child.num_computed_tokens = 0
+            self.scheduler.add(child)
+            return child
+        if copies:  # the contiguous baseline copies the parent's blocks instead of sharing
+            self.cache_engine.copy_blocks(copies)
         self.scheduler.add_running(child)
         return child
 
