@@ -74,6 +74,7 @@ CASES = [
      "top_logprobs"),
     ("chat-max-completion-tokens-negative", "POST", CHAT, chat(max_completion_tokens=-1), 400,
      "max_tokens"),
+    ("body-too-large", "POST", CMPL, b" " * (17 << 20), 413, None),
     ("unknown-route", "GET", "/v1/engines", None, 404, None),
     ("unknown-top-level-route", "POST", "/admin", {}, 404, None),
     ("wrong-method", "GET", CMPL, None, 405, None),

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import httpx
-import pytest
-
 from server_utils import API_KEY, MAX_MODEL_LEN, MODEL_NAME, get_stats
+
 from pagellm import SamplingParams
 
 PROMPT = "Explain how PagedAttention works."

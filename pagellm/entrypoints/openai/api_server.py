@@ -20,11 +20,12 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagellm.core.async_engine import AsyncLLMEngine
-from pagellm.entrypoints.openai.errors import APIError, APIKeyMiddleware, install_error_handlers
+from pagellm.entrypoints.openai.errors import (APIError, APIKeyMiddleware, BodySizeLimitMiddleware,
+                                               install_error_handlers)
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                  DetokenizeRequest, ModelCard, ModelList,
                                                  TokenizeRequest)
@@ -34,6 +35,10 @@ from pagellm.entrypoints.openai.serving_completion import create_completion
 from pagellm.metrics import EngineMetrics
 
 logger = logging.getLogger("pagellm")
+
+# Larger request bodies get 413 before they are read: far above any prompt that fits a
+# context, far below what would hurt the server's memory.
+MAX_REQUEST_BODY_BYTES = 16 << 20
 
 
 @dataclass(slots=True)
@@ -66,6 +71,7 @@ def build_app(engine: AsyncLLMEngine, model_path: str, served_model_names: list[
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=MAX_REQUEST_BODY_BYTES)
     _add_openai_routes(app, ctx)
     _add_server_routes(app, ctx, metrics)
     return app

@@ -25,6 +25,7 @@ logger = logging.getLogger("pagellm")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error",
           500: "server_error", 503: "service_unavailable"}
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 
@@ -128,3 +129,35 @@ class APIKeyMiddleware:
                    else "incorrect API key provided")
         response = error_response(message, 401, code="invalid_api_key")
         await response(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Refuses request bodies over ``max_bytes`` (413) before they are read into memory. A body
+    sent without Content-Length (chunked) is cut off at the limit as if the client had left."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            response = error_response(f"request body of {int(length)} bytes exceeds the limit "
+                                      f"of {self.max_bytes} bytes", 413)
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    return {"type": "http.disconnect"}
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -11,7 +11,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      model_serializer)
 
 Number = StrictFloat | StrictInt
 # What torch.Generator.manual_seed accepts: a larger seed would fail inside the engine.
@@ -185,8 +186,14 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """Only the fields a chunk carries: the role in a choice's first chunk, then content."""
+
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):
