@@ -5,6 +5,11 @@ consecutive blocks, in one arena (first fit over the free extents), as servers d
 attention. It shows both kinds of waste the paged manager avoids: internal fragmentation (slots
 reserved for tokens a sequence never produces) and external fragmentation (free blocks split
 between reservations into runs too short to take a new one). No prefix caching, no sharing.
+
+Since every run has the same length, first fit keeps each one at a multiple of
+``blocks_per_seq``: the free space that no reservation can use is the remainder at the end of
+the arena. (Reserving each request's own maximum length instead, as some servers do, would
+fragment the arena further; the interface fixes one length, max_model_len.)
 """
 from __future__ import annotations
 

@@ -1,0 +1,77 @@
+"""`pagellm kv-calc` through the CLI dispatcher."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagellm.entrypoints.cli import main
+
+SEED_EXAMPLE = ["kv-calc", "--preset", "llama-2-70b", "--dtype", "float16", "--batch", "32",
+                "--seq-len", "2048"]
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main([*args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_seed_example_json(capsys):
+    report = run_json(capsys, *SEED_EXAMPLE)
+    assert report["bytes_per_token"] == 327_680
+    assert report["bytes_per_token_if_mha"] == 2_621_440
+    assert report["total_bytes"] == 21_474_836_480
+    assert report["total_bytes_if_mha"] == 160 * 1024**3
+    assert (report["num_attention_heads"], report["num_kv_heads"]) == (64, 8)
+
+
+def test_seed_example_human_form_explains_the_correction(capsys):
+    assert main(SEED_EXAMPLE) == 0
+    text = capsys.readouterr().out
+    assert "Counting all 64 heads, as for multi-head attention" in text
+    assert "2.5 MiB per token and 160 GiB" in text
+    assert "8 KV heads" in text and "0.3125 MiB per token and 20 GiB" in text
+    assert "327,680 bytes" in text
+
+
+def test_memory_budget_gives_capacity(capsys):
+    report = run_json(capsys, *SEED_EXAMPLE, "--memory", "40GiB", "--block-size", "16")
+    assert report["memory_bytes"] == 40 * 1024**3
+    assert (report["num_blocks"], report["capacity_tokens"], report["max_concurrency"]) == \
+        (8192, 131_072, 64)
+    assert main([*SEED_EXAMPLE, "--memory", "40GiB"]) == 0
+    assert "at most 64 sequences of 2,048 tokens at once" in capsys.readouterr().out
+
+
+def test_multi_head_model_says_so(capsys):
+    assert main(["kv-calc", "--preset", "llama-2-7b"]) == 0
+    text = capsys.readouterr().out
+    assert "multi-head attention" in text and "0.5 MiB" in text
+
+
+def test_model_dir_and_config_file(tmp_path, capsys):
+    config = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "hidden_size": 256, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    by_dir = run_json(capsys, "kv-calc", "--model", str(tmp_path))
+    by_file = run_json(capsys, "kv-calc", "--config", str(tmp_path / "config.json"))
+    assert by_dir["bytes_per_token"] == by_file["bytes_per_token"] == 2 * 4 * 2 * 32 * 4
+
+
+def test_user_errors_exit_2(tmp_path, capsys):
+    assert main(["kv-calc", "--model", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
+    for bad in (["--memory", "lots"], ["--batch", "0"], ["--preset", "nope"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["kv-calc", "--preset", "llama-2-7b", *bad])
+        assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["kv-calc"])  # a model source is required
+
+
+def test_kv_package_imports_no_torch():
+    code = ("import sys, pagellm.kv, pagellm.entrypoints.commands.kv_calc;"
+            "assert 'torch' not in sys.modules, 'pagellm.kv imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)
