@@ -1,0 +1,130 @@
+"""``pagellm kv-calc``: KV cache bytes per token and per batch, and what a memory budget holds.
+
+Pure Python (pagellm.kv.memory): runs instantly, without torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from pagellm.kv.memory import PRESETS, KVMemoryModel, format_bytes, parse_size
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "kv-calc",
+        help="KV cache size per token and per batch; capacity of a memory budget",
+        description="Bytes of KV cache per token = 2 x layers x KV heads x head_dim x dtype bytes, "
+                    "with the KV heads of grouped-query attention (num_key_value_heads).",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="DIR", help="model directory holding config.json")
+    source.add_argument("--config", metavar="FILE", help="a HuggingFace config.json")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in public config")
+    parser.add_argument("--dtype", default="auto",
+                        help="KV cache dtype: float16, bfloat16, float32, fp8 ... "
+                             "(default: the config's torch_dtype)")
+    parser.add_argument("--batch", type=_positive_int, default=1, help="sequences (default 1)")
+    parser.add_argument("--seq-len", type=_positive_int, default=2048,
+                        help="tokens per sequence (default 2048)")
+    parser.add_argument("--memory", type=_memory_size, default=None,
+                        help="a KV cache budget such as 40GiB: report blocks, tokens and "
+                             "maximum concurrency at --seq-len")
+    parser.add_argument("--block-size", type=_positive_int, default=16,
+                        help="tokens per KV block (default 16)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _memory_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def load_memory_model(args: argparse.Namespace) -> KVMemoryModel:
+    if args.preset:
+        return KVMemoryModel.from_preset(args.preset, args.dtype)
+    if args.config:
+        return KVMemoryModel.from_config_file(args.config, args.dtype)
+    return KVMemoryModel.from_model_dir(args.model, args.dtype)
+
+
+def compute_report(model: KVMemoryModel, batch: int, seq_len: int, block_size: int,
+                   memory_bytes: int | None = None) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "model": model.name, "dtype": model.dtype, "dtype_bytes": model.dtype_bytes,
+        "num_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
+        "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
+        "grouped_query_attention": model.is_grouped_query,
+        "bytes_per_token": model.bytes_per_token,
+        "bytes_per_token_if_mha": model.bytes_per_token_if_mha,
+        "batch": batch, "seq_len": seq_len, "num_tokens": batch * seq_len,
+        "total_bytes": model.bytes_for(batch, seq_len),
+        "total_bytes_if_mha": batch * seq_len * model.bytes_per_token_if_mha,
+        "block_size": block_size, "bytes_per_block": model.bytes_per_block(block_size),
+    }
+    if memory_bytes is not None:
+        capacity = model.capacity(memory_bytes, block_size, seq_len)
+        report.update(memory_bytes=memory_bytes, num_blocks=capacity.num_blocks,
+                      capacity_tokens=capacity.num_tokens, blocks_per_seq=capacity.blocks_per_seq,
+                      max_concurrency=capacity.max_concurrency)
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    kind = "grouped-query attention" if r["grouped_query_attention"] else "multi-head attention"
+    lines = [
+        f"{r['model']}: {r['num_layers']} layers, {r['num_attention_heads']} query heads, "
+        f"{r['num_kv_heads']} KV heads ({kind}), head_dim {r['head_dim']}, "
+        f"KV cache in {r['dtype']} ({r['dtype_bytes']} bytes)",
+        "",
+        f"KV cache per token = 2 (K and V) x {r['num_layers']} layers x {r['num_kv_heads']} KV heads"
+        f" x {r['head_dim']} head_dim x {r['dtype_bytes']} bytes",
+        f"                   = {r['bytes_per_token']:,} bytes "
+        f"({format_bytes(r['bytes_per_token'], 'MiB')})",
+        f"{r['batch']:,} sequence{'s' if r['batch'] != 1 else ''} x {r['seq_len']:,} tokens = {r['num_tokens']:,} tokens -> "
+        f"{r['total_bytes']:,} bytes ({format_bytes(r['total_bytes'])})",
+        "",
+    ]
+    if r["grouped_query_attention"]:
+        group = r["num_attention_heads"] // r["num_kv_heads"]
+        lines += [
+            f"Counting all {r['num_attention_heads']} heads, as for multi-head attention, would "
+            f"give {format_bytes(r['bytes_per_token_if_mha'], 'MiB')} per token and "
+            f"{format_bytes(r['total_bytes_if_mha'])} for this batch: {group}x too much.",
+            f"{r['model']} has {r['num_kv_heads']} KV heads, each shared by {group} query heads, "
+            f"so it needs {format_bytes(r['bytes_per_token'], 'MiB')} per token and "
+            f"{format_bytes(r['total_bytes'])}.",
+        ]
+    else:
+        lines.append(f"Every one of the {r['num_attention_heads']} heads has its own K and V "
+                     "(multi-head attention): no grouped-query saving.")
+    if "memory_bytes" in r:
+        lines += [
+            "",
+            f"{format_bytes(r['memory_bytes'])} holds {r['num_blocks']:,} blocks of "
+            f"{r['block_size']} tokens ({format_bytes(r['bytes_per_block'])} each) = "
+            f"{r['capacity_tokens']:,} tokens: at most {r['max_concurrency']:,} sequences of "
+            f"{r['seq_len']:,} tokens at once ({r['blocks_per_seq']:,} blocks each).",
+        ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = load_memory_model(args)
+    report = compute_report(model, args.batch, args.seq_len, args.block_size, args.memory)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
