@@ -30,12 +30,15 @@ class _Req:
 
 class FakeEngine:
     def __init__(self, tokenizer, max_model_len: int = 64, num_blocks: int = 256,
-                 step_delay: float = 0.0, fail_on_step: int | None = None) -> None:
+                 step_delay: float = 0.0, fail_on_step: int | None = None,
+                 unfittable_prompt: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
         self.step_delay = step_delay
         self.fail_on_step = fail_on_step
+        self.unfittable_prompt = unfittable_prompt  # finished with an error, like a prompt
+        # that can never fit in the KV cache
         self.requests: dict[str, _Req] = {}
         self.num_steps = 0
         self.generated = 0
@@ -73,6 +76,12 @@ class FakeEngine:
         now = time.time()
         outputs = []
         for req in list(self.requests.values()):
+            if req.prompt is not None and req.prompt == self.unfittable_prompt:
+                del self.requests[req.request_id]
+                output = self._output(req, "abort")
+                output.error = f"request {req.request_id!r} cannot fit in the KV cache"
+                outputs.append(output)
+                continue
             for index, tokens in enumerate(req.outputs):
                 tokens.append((req.prompt_ids[-1] + len(tokens) + 1 + index) % 500 + 3)
                 self.generated += 1

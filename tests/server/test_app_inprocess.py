@@ -1,0 +1,59 @@
+"""The HTTP layer over a fake engine, in-process: the error paths a real tiny model cannot be
+driven into on demand (a request the engine gives up on, an engine that died)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+from server_fakes import FakeEngine
+
+from pagellm.core.async_engine import AsyncLLMEngine
+from pagellm.entrypoints.openai.api_server import build_app
+from pagellm.metrics import EngineMetrics
+
+UNFITTABLE = "this prompt never fits"
+
+
+def call(fake: FakeEngine, requests: list[tuple[str, str, dict | None]]) -> list[httpx.Response]:
+    async def main():
+        metrics = EngineMetrics("fake")
+        engine = AsyncLLMEngine(fake, on_step=metrics.observe_step)
+        app = build_app(engine, "/models/fake", ["fake"], metrics)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                out = []
+                for method, path, body in requests:
+                    out.append(await c.request(method, path, json=body))
+                    await asyncio.sleep(0.05)
+                return out
+
+    return asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_request_the_engine_gives_up_on_is_a_400(tokenizer):
+    fake = FakeEngine(tokenizer, unfittable_prompt=UNFITTABLE)
+    plain, streamed, ok = call(fake, [
+        ("POST", "/v1/completions", {"prompt": UNFITTABLE, "max_tokens": 4}),
+        ("POST", "/v1/completions", {"prompt": UNFITTABLE, "max_tokens": 4, "stream": True}),
+        ("POST", "/v1/completions", {"prompt": "fine", "max_tokens": 4}),
+    ])
+    assert plain.status_code == 400
+    assert "cannot fit in the KV cache" in plain.json()["error"]["message"]
+    events = [line[len("data: "):] for line in streamed.text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    assert "cannot fit" in json.loads(events[-2])["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_dead_engine_answers_503(tokenizer):
+    fake = FakeEngine(tokenizer, fail_on_step=1)
+    first, health, later = call(fake, [
+        ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 4}),
+        ("GET", "/health", None),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ])
+    assert first.status_code == 503 and "engine loop failed" in first.json()["error"]["message"]
+    assert health.status_code == 503 and later.status_code == 503
+    assert later.json()["error"]["type"] == "service_unavailable"
