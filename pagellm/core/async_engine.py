@@ -258,7 +258,10 @@ class AsyncLLMEngine:
         if outputs:
             self._call_on_loop(self._deliver, outputs)
         if self._on_step is not None:
-            self._on_step(outputs, stats)
+            try:
+                self._on_step(outputs, stats)
+            except Exception:  # noqa: BLE001 - metrics must never stop the engine
+                logger.exception("on_step callback failed")
         return not stopping
 
     def _apply(self, command: tuple) -> list[RequestOutput]:
