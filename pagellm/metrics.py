@@ -35,9 +35,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 # (metric name, help, EngineStats attribute)
 _GAUGES = (
-    ("pagellm:num_requests_running", "Sequences in the running batch.", "num_running"),
-    ("pagellm:num_requests_waiting", "Sequences waiting to be admitted.", "num_waiting"),
-    ("pagellm:num_requests_swapped", "Sequences swapped out to CPU memory.", "num_swapped"),
+    ("pagellm:num_requests_running", "Requests in the running batch.", "num_requests_running"),
+    ("pagellm:num_requests_waiting", "Requests waiting to be admitted.", "num_requests_waiting"),
+    ("pagellm:num_requests_swapped", "Requests swapped out to CPU memory.",
+     "num_requests_swapped"),
     ("pagellm:kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).", "kv_usage"),
     ("pagellm:kv_cache_waste_perc",
      "Fraction of allocated KV slots not holding a token (0..1).", "kv_waste_ratio"),
@@ -177,6 +178,6 @@ def format_stats_line(stats: EngineStats, previous: EngineStats | None, elapsed:
     return (f"Avg prompt throughput: {(stats.prompt_tokens_total - prompt_before) / elapsed:.1f} "
             f"tokens/s, Avg generation throughput: "
             f"{(stats.generation_tokens_total - gen_before) / elapsed:.1f} tokens/s, "
-            f"Running: {stats.num_running} seqs, Waiting: {stats.num_waiting} seqs, "
-            f"Swapped: {stats.num_swapped} seqs, KV cache usage: {stats.kv_usage * 100:.1f}%, "
+            f"Running: {stats.num_requests_running} reqs, Waiting: {stats.num_requests_waiting} "
+            f"reqs, Swapped: {stats.num_requests_swapped} reqs, KV cache usage: {stats.kv_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {stats.prefix_hit_rate * 100:.1f}%")

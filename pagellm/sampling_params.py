@@ -125,6 +125,9 @@ class SamplingParams:
 
     def _check_ranges(self) -> None:
         _require("n", self.n, self.n >= 1, "must be at least 1")
+        if self.seed is not None:
+            _require("seed", self.seed, -(2**63) <= self.seed < 2**64,
+                     "must be in [-2**63, 2**64)")
         _require("temperature", self.temperature, self.temperature >= 0.0, "must be >= 0")
         _require("top_p", self.top_p, 0.0 < self.top_p <= 1.0, "must be in (0, 1]")
         _require("top_k", self.top_k, self.top_k >= 0,

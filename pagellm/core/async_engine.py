@@ -269,7 +269,7 @@ class AsyncLLMEngine:
         if kind == "abort":
             return self.engine.abort_request(command[1])
         if kind == "abort_all":
-            return self.engine.abort_request(list(self.engine.requests))
+            return self.engine.abort_all()
         _, requests, added = command
         done: list[str] = []
         try:

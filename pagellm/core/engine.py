@@ -149,6 +149,10 @@ class LLMEngine:
             outputs.append(self.output_processor.build_request_output(request))
         return outputs
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every unfinished request (shutdown)."""
+        return self.abort_request(list(self.requests))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

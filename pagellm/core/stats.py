@@ -14,9 +14,12 @@ if TYPE_CHECKING:
 class EngineStats:
     """A point-in-time view of the engine and its KV cache (``LLMEngine.get_stats()``)."""
 
-    num_running: int
+    num_running: int  # sequences (a request with n > 1 has several)
     num_waiting: int
     num_swapped: int
+    num_requests_running: int  # requests with a sequence in the queue
+    num_requests_waiting: int
+    num_requests_swapped: int
     num_preemptions: int
     num_swap_outs: int
     num_swap_ins: int
@@ -83,7 +86,11 @@ class StatsTracker:
         k = kv.get_stats()
         return EngineStats(
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            num_swapped=len(scheduler.swapped), num_preemptions=scheduler.num_preemptions,
+            num_swapped=len(scheduler.swapped),
+            num_requests_running=_num_requests(scheduler.running),
+            num_requests_waiting=_num_requests(scheduler.waiting),
+            num_requests_swapped=_num_requests(scheduler.swapped),
+            num_preemptions=scheduler.num_preemptions,
             num_swap_outs=scheduler.num_swap_outs, num_swap_ins=scheduler.num_swap_ins,
             num_steps=self.num_steps, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
@@ -96,3 +103,7 @@ class StatsTracker:
             num_free_cpu_blocks=k.num_free_cpu_blocks,
             external_fragmentation=k.external_fragmentation,
             seq_block_counts=dict(kv.seq_block_counts()))
+
+
+def _num_requests(queue: list[Sequence]) -> int:
+    return len({id(seq.request) for seq in queue})

@@ -122,7 +122,9 @@ class FakeEngine:
     def get_stats(self) -> EngineStats:
         used = self.blocks_used()
         return EngineStats(
-            num_running=len(self.requests), num_waiting=0, num_swapped=0, num_preemptions=0,
+            num_running=len(self.requests), num_waiting=0, num_swapped=0,
+            num_requests_running=len(self.requests), num_requests_waiting=0,
+            num_requests_swapped=0, num_preemptions=0,
             num_swap_outs=0, num_swap_ins=0, num_steps=self.num_steps, prompt_tokens_total=0,
             generation_tokens_total=self.generated, num_requests_finished=self.finished,
             num_blocks=self.num_blocks, num_free_blocks=self.num_blocks - used,
