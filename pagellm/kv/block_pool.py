@@ -22,8 +22,8 @@ ROOT_HASH = hashlib.sha256(b"pagellm.kv.prefix-cache.root").digest()
 class BlockHash(NamedTuple):
     """Identity of the contents of one full block, and of every token before it.
 
-    ``value`` is sha256 over (parent's value, the block's token ids, extra keys). The inputs are kept
-    too, so that a prefix hit compares token ids and keys instead of trusting the digest alone:
+    ``value`` is sha256 over (parent's value, the block's token ids, extra keys). The inputs are
+    kept too, so that a prefix hit compares token ids and keys instead of trusting the digest alone:
     equality of two BlockHash tuples compares all four fields. Extra keys (a LoRA adapter, a
     per-tenant cache salt) separate caches that must not share KV even for identical tokens.
     """
@@ -39,9 +39,9 @@ def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int],
     """Chained, collision-resistant hash of one full block.
 
     The encoding is unambiguous: a fixed 32-byte parent, the token count, the tokens as int64, then
-    ``repr`` of the extra keys (which should therefore be str, int, bytes or tuples of them). Python's
-    ``hash()`` is never used: it is cheap to collide, and a collision would let one user's prompt
-    read another user's cached KV.
+    ``repr`` of the extra keys (which should therefore be str, int, bytes or tuples of them).
+    Python's ``hash()`` is never used: it is cheap to collide, and a collision would let one user's
+    prompt read another user's cached KV.
     """
     parent = ROOT_HASH if parent is None else parent
     tokens = tuple(token_ids)
@@ -195,7 +195,8 @@ class BlockPool:
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Enter a block that has just become full in the index. If another block already holds
         this hash the first one stays the cached copy and this one remains private."""
-        if not self.enable_caching or block.block_hash is not None or block_hash.value in self.cached:
+        if (not self.enable_caching or block.block_hash is not None
+                or block_hash.value in self.cached):
             return False
         block.block_hash = block_hash
         self.cached[block_hash.value] = block
@@ -216,8 +217,9 @@ class BlockPool:
             expected = ref_counts.get(block.block_id, 0)
             assert block.ref_cnt == expected, \
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but held by {expected} tables"
-            assert (block.ref_cnt == 0) == (block.block_id in free), \
-                f"block {block.block_id}: ref_cnt {block.ref_cnt}, in free queue: {block.block_id in free}"
+            assert (block.ref_cnt == 0) == (block.block_id in free), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
+                f"in free queue: {block.block_id in free}")
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash.value) is block, \
                     f"block {block.block_id} holds a hash the index does not map to it"

@@ -58,7 +58,8 @@ class KVCacheStats:
 
     def __post_init__(self) -> None:
         self.usage = self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
-        self.prefix_hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+        self.prefix_hit_rate = (self.prefix_hits / self.prefix_queries
+                                if self.prefix_queries else 0.0)
         self.waste_ratio = (1.0 - self.slots_filled / self.slots_allocated
                             if self.slots_allocated else 0.0)
 

@@ -62,7 +62,6 @@ class KVCacheManager:
         self._prefix_queries = 0
         self._prefix_hits = 0
 
-
     def lookup_prefix(self, token_ids: Sequence[int],
                       extra_keys: Iterable[Hashable] = ()) -> PrefixMatch:
         """The longest run of cached full blocks starting the prompt, never the whole prompt.
@@ -85,7 +84,6 @@ class KVCacheManager:
             hashes.append(block_hash)
             parent = block_hash.value
         return PrefixMatch(tuple(block_ids), len(block_ids) * bs, tuple(hashes))
-
 
     def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
                        prefix: PrefixMatch | None = None, extra_keys: Iterable[Hashable] = (),
@@ -142,7 +140,8 @@ class KVCacheManager:
             self._prefix_hits += table.num_tokens
         copies = [self._copy_on_write(table)] if copy_on_write else []
         if num_new_blocks > 0:
-            table.block_ids.extend(b.block_id for b in self.block_pool.get_new_blocks(num_new_blocks))
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+            table.block_ids.extend(block.block_id for block in new_blocks)
         table.num_tokens = total
         if self.enable_prefix_caching:
             self._cache_full_blocks(seq, token_ids)
@@ -201,7 +200,6 @@ class KVCacheManager:
             hashes.append(block_hash)
             parent = block_hash.value
 
-
     def num_tokens(self, seq_id: Hashable) -> int:
         """Token slots the sequence holds, on the device or swapped out."""
         seq = self._seqs.get(seq_id) or self._swapped.get(seq_id)
@@ -219,11 +217,10 @@ class KVCacheManager:
     def is_swapped(self, seq_id: Hashable) -> bool:
         return seq_id in self._swapped
 
-
     def fork(self, parent_id: Hashable, child_id: Hashable) -> BlockCopies:
         """The child shares every block of the parent (ref counts up); a later append into a
-        shared, partly filled block copies it. Returns the copies to perform: always none here
-        (the contiguous manager has to copy)."""
+        shared, partly filled block copies it. Returns the block copies to perform, always
+        none here (the interface returns them because the contiguous manager has to copy)."""
         parent = self._seqs.get(parent_id)
         if parent is None:
             raise ValueError(f"cannot fork {parent_id!r}: it is not on the device")
@@ -247,7 +244,6 @@ class KVCacheManager:
         if seq is not None:
             cpu_blocks = self.cpu_block_pool.blocks
             self.cpu_block_pool.free_blocks(cpu_blocks[b] for b in reversed(seq.table.block_ids))
-
 
     def swap_out(self, seq_ids: Iterable[Hashable]) -> BlockCopies | None:
         """Move the sequences' blocks to the CPU pool: returns (device, cpu) copies, or None if
@@ -334,7 +330,6 @@ class KVCacheManager:
         if missing:
             raise ValueError(f"sequences {missing!r} are not {state}")
         return [(seq_id, where[seq_id]) for seq_id in ids]
-
 
     def get_stats(self) -> KVCacheStats:
         bs = self.block_size

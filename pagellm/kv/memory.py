@@ -201,7 +201,8 @@ class KVMemoryModel:
             raise FileNotFoundError(f"model config {str(path)!r} does not exist")
         with path.open() as f:
             config = json.load(f)
-        return cls.from_hf_config(config, dtype, name=config.get("_name_or_path") or path.parent.name)
+        name = config.get("_name_or_path") or path.parent.name
+        return cls.from_hf_config(config, dtype, name=name)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dtype: str = "auto") -> KVMemoryModel:
@@ -242,7 +243,7 @@ class KVMemoryModel:
 
     def capacity(self, memory_bytes: int, block_size: int = 16,
                  seq_len: int | None = None) -> KVCapacity:
-        """Blocks, tokens and concurrent sequences of ``seq_len`` tokens that fit in memory_bytes."""
+        """Blocks, tokens and concurrent sequences of ``seq_len`` tokens in ``memory_bytes``."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         seq_len = seq_len or self.max_model_len or 2048

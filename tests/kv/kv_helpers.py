@@ -29,7 +29,8 @@ class ShadowKV:
         for cpu_id, device_id in pairs:
             self.device[device_id] = list(self.cpu[cpu_id])
 
-    def write(self, block_table: Sequence[int], token_ids: Sequence[int], start: int, end: int) -> None:
+    def write(self, block_table: Sequence[int], token_ids: Sequence[int],
+              start: int, end: int) -> None:
         """The step computes positions start..end-1 and writes their K/V into their slots."""
         for pos in range(start, end):
             block, offset = divmod(pos, self.block_size)

@@ -91,11 +91,12 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['num_kv_heads']} KV heads ({kind}), head_dim {r['head_dim']}, "
         f"KV cache in {r['dtype']} ({r['dtype_bytes']} bytes)",
         "",
-        f"KV cache per token = 2 (K and V) x {r['num_layers']} layers x {r['num_kv_heads']} KV heads"
-        f" x {r['head_dim']} head_dim x {r['dtype_bytes']} bytes",
+        f"KV cache per token = 2 (K and V) x {r['num_layers']} layers x "
+        f"{r['num_kv_heads']} KV heads x {r['head_dim']} head_dim x {r['dtype_bytes']} bytes",
         f"                   = {r['bytes_per_token']:,} bytes "
         f"({format_bytes(r['bytes_per_token'], 'MiB')})",
-        f"{r['batch']:,} sequence{'s' if r['batch'] != 1 else ''} x {r['seq_len']:,} tokens = {r['num_tokens']:,} tokens -> "
+        f"{r['batch']:,} sequence{'s' if r['batch'] != 1 else ''} x {r['seq_len']:,} tokens = "
+        f"{r['num_tokens']:,} tokens -> "
         f"{r['total_bytes']:,} bytes ({format_bytes(r['total_bytes'])})",
         "",
     ]
