@@ -29,7 +29,7 @@ def test_seed_example_json(capsys):
 
 def test_seed_example_human_form_explains_the_correction(capsys):
     assert main(SEED_EXAMPLE) == 0
-    text = capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())  # the prose is wrapped
     assert "Counting all 64 heads, as for multi-head attention" in text
     assert "2.5 MiB per token and 160 GiB" in text
     assert "8 KV heads" in text and "0.3125 MiB per token and 20 GiB" in text
@@ -42,12 +42,13 @@ def test_memory_budget_gives_capacity(capsys):
     assert (report["num_blocks"], report["capacity_tokens"], report["max_concurrency"]) == \
         (8192, 131_072, 64)
     assert main([*SEED_EXAMPLE, "--memory", "40GiB"]) == 0
-    assert "at most 64 sequences of 2,048 tokens at once" in capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())
+    assert "at most 64 sequences of 2,048 tokens at once" in text
 
 
 def test_multi_head_model_says_so(capsys):
     assert main(["kv-calc", "--preset", "llama-2-7b"]) == 0
-    text = capsys.readouterr().out
+    text = " ".join(capsys.readouterr().out.split())
     assert "multi-head attention" in text and "0.5 MiB" in text
 
 

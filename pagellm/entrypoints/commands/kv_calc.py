@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from typing import Any
 
 from pagellm.kv.memory import PRESETS, KVMemoryModel, format_bytes, parse_size
@@ -85,43 +86,40 @@ def compute_report(model: KVMemoryModel, batch: int, seq_len: int, block_size: i
 
 
 def format_report(r: dict[str, Any]) -> str:
+    """The report as prose: the formula with the model's numbers, then what they mean."""
     kind = "grouped-query attention" if r["grouped_query_attention"] else "multi-head attention"
-    lines = [
+    per_token_mib = format_bytes(r["bytes_per_token"], "MiB")
+    paragraphs = [
         f"{r['model']}: {r['num_layers']} layers, {r['num_attention_heads']} query heads, "
-        f"{r['num_kv_heads']} KV heads ({kind}), head_dim {r['head_dim']}, "
-        f"KV cache in {r['dtype']} ({r['dtype_bytes']} bytes)",
-        "",
-        f"KV cache per token = 2 (K and V) x {r['num_layers']} layers x "
-        f"{r['num_kv_heads']} KV heads x {r['head_dim']} head_dim x {r['dtype_bytes']} bytes",
-        f"                   = {r['bytes_per_token']:,} bytes "
-        f"({format_bytes(r['bytes_per_token'], 'MiB')})",
-        f"{r['batch']:,} sequence{'s' if r['batch'] != 1 else ''} x {r['seq_len']:,} tokens = "
-        f"{r['num_tokens']:,} tokens -> "
-        f"{r['total_bytes']:,} bytes ({format_bytes(r['total_bytes'])})",
-        "",
+        f"{r['num_kv_heads']} KV heads ({kind}), head_dim {r['head_dim']}; "
+        f"KV cache in {r['dtype']} ({r['dtype_bytes']} bytes).",
     ]
+    formula = (
+        f"  KV cache per token = 2 (K and V) x {r['num_layers']} layers x {r['num_kv_heads']} "
+        f"KV heads x {r['head_dim']} head_dim x {r['dtype_bytes']} bytes\n"
+        f"                     = {r['bytes_per_token']:,} bytes ({per_token_mib})\n"
+        f"  {r['batch']:,} sequence{'s' if r['batch'] != 1 else ''} x {r['seq_len']:,} tokens"
+        f" = {r['num_tokens']:,} tokens -> {r['total_bytes']:,} bytes "
+        f"({format_bytes(r['total_bytes'])})")
     if r["grouped_query_attention"]:
         group = r["num_attention_heads"] // r["num_kv_heads"]
-        lines += [
+        paragraphs.append(
             f"Counting all {r['num_attention_heads']} heads, as for multi-head attention, would "
             f"give {format_bytes(r['bytes_per_token_if_mha'], 'MiB')} per token and "
-            f"{format_bytes(r['total_bytes_if_mha'])} for this batch: {group}x too much.",
-            f"{r['model']} has {r['num_kv_heads']} KV heads, each shared by {group} query heads, "
-            f"so it needs {format_bytes(r['bytes_per_token'], 'MiB')} per token and "
-            f"{format_bytes(r['total_bytes'])}.",
-        ]
+            f"{format_bytes(r['total_bytes_if_mha'])} for this batch: {group}x too much. "
+            f"{r['model']} has {r['num_kv_heads']} KV heads, each shared by {group} query "
+            f"heads, so it needs {per_token_mib} per token and {format_bytes(r['total_bytes'])}.")
     else:
-        lines.append(f"Every one of the {r['num_attention_heads']} heads has its own K and V "
-                     "(multi-head attention): no grouped-query saving.")
+        paragraphs.append(f"Every one of the {r['num_attention_heads']} heads has its own K "
+                          "and V (multi-head attention): no grouped-query saving.")
     if "memory_bytes" in r:
-        lines += [
-            "",
+        paragraphs.append(
             f"{format_bytes(r['memory_bytes'])} holds {r['num_blocks']:,} blocks of "
             f"{r['block_size']} tokens ({format_bytes(r['bytes_per_block'])} each) = "
             f"{r['capacity_tokens']:,} tokens: at most {r['max_concurrency']:,} sequences of "
-            f"{r['seq_len']:,} tokens at once ({r['blocks_per_seq']:,} blocks each).",
-        ]
-    return "\n".join(lines)
+            f"{r['seq_len']:,} tokens at once ({r['blocks_per_seq']:,} blocks each).")
+    wrapped = [textwrap.fill(p, width=92, break_on_hyphens=False) for p in paragraphs]
+    return "\n\n".join([wrapped[0], formula, *wrapped[1:]])
 
 
 def run(args: argparse.Namespace) -> int:
