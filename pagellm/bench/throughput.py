@@ -86,6 +86,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     swap_space: float = 4.0
     preemption_mode: str | None = None
+    watermark: float = 0.01
     seed: int = 0
 
     def engine_args(self):
@@ -98,7 +99,7 @@ class EngineOptions:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space,
-            preemption_mode=self.preemption_mode, seed=self.seed)
+            preemption_mode=self.preemption_mode, watermark=self.watermark, seed=self.seed)
 
 
 def build_engine(options: EngineOptions):
