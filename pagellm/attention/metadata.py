@@ -63,6 +63,21 @@ class DecodeMetadata:
     max_seq_len: int
     block_size: int
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def block_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sequence, logical block, physical block) of every block the decodes read, sorted
+        by physical block id, each [num_pairs] int64: the order in which the CPU kernel
+        streams the cache (ascending addresses, whatever the block tables look like)."""
+        if self._pairs is None:
+            num_blocks = -(-self.seq_lens // self.block_size)  # [D]
+            positions = torch.arange(self.block_tables.shape[1], device=self.seq_lens.device)
+            seq, block = (positions < num_blocks[:, None]).nonzero(as_tuple=True)
+            physical = self.block_tables[seq, block]
+            order = torch.argsort(physical, stable=True)
+            self._pairs = (seq[order].contiguous(), block[order].contiguous(),
+                           physical[order].contiguous())
+        return self._pairs
 
     def mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """[num_decodes, 1, 1, max_num_blocks * block_size] bool: keys of the sequence (within

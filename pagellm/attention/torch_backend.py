@@ -11,17 +11,38 @@ whole prompts, continued chunks and cached prefixes.
 
 - Prefills (query_len > 1) are gathered into a padded [num_prefills, max_query_len] grid and
   run through ``scaled_dot_product_attention`` with a causal mask over absolute positions.
-- Decodes take a fast path: a query head group of grouped-query attention is treated as a
-  short query "sequence" attending one key/value head, so no K/V is repeated per query head.
+- Decodes take a fast path. On the CPU, for float32 and bfloat16, a compiled kernel
+  (attention/cpu_kernel.py) reads K/V in place; otherwise ``decode_attention`` gathers the
+  context and treats the query heads sharing a KV head (grouped-query attention) as a short
+  query "sequence" for that head, so no K/V is repeated per query head.
 
 No Python loop runs over tokens or sequences; every op is batched over the whole group.
+Gathered contexts land in grow-only scratch buffers reused by every layer and step: a fresh
+multi-megabyte tensor per layer costs page faults that measured slower than the copy itself.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
+from pagellm.attention import cpu_kernel
 from pagellm.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
+
+_scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """A reusable tensor of ``shape`` (uninitialised). Valid until the next call with ``name``;
+    the engine runs one step at a time."""
+    numel = math.prod(shape)
+    buffer = _scratch.get((name, dtype, device))
+    if buffer is None or buffer.numel() < numel:
+        buffer = torch.empty(int(numel * 1.25) + 1024, dtype=dtype, device=device)
+        _scratch[(name, dtype, device)] = buffer
+    return buffer[:numel].view(shape)
 
 
 def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -36,15 +57,19 @@ def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
+                  name: str) -> torch.Tensor:
     """The context of each sequence: [num_seqs, num_kv_heads, max_num_blocks * block_size, D].
 
-    A strided view over one contiguous gather (index_select copies whole blocks); attention
-    kernels accept the head stride, so no transposed copy is made.
+    A strided view over one contiguous gather (index_select copies whole blocks) into the
+    scratch buffer ``name``; attention kernels accept the head stride, so no transposed copy
+    is made.
     """
     num_seqs, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache.index_select(0, block_tables.flatten())  # [S * max_blocks, bs, KVH, D]
+    gathered = scratch(name, (num_seqs * max_blocks, block_size, num_kv_heads, head_dim),
+                       cache.dtype, cache.device)
+    torch.index_select(cache, 0, block_tables.flatten(), out=gathered)
     return gathered.view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
@@ -57,8 +82,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     padded = query.new_zeros(num_prefills * max_query_len, num_heads, head_dim)
     padded.index_copy_(0, prefill.padded_index, query)
     padded = padded.view(num_prefills, max_query_len, num_heads, head_dim).transpose(1, 2)
-    key = gather_blocks(k_cache, prefill.block_tables)  # [P, KVH, num_keys, D]
-    value = gather_blocks(v_cache, prefill.block_tables)
+    key = gather_blocks(k_cache, prefill.block_tables, "prefill_key")  # [P, KVH, keys, D]
+    value = gather_blocks(v_cache, prefill.block_tables, "prefill_value")
     out = F.scaled_dot_product_attention(padded, key, value, attn_mask=prefill.mask(sliding_window),
                                          scale=scale, enable_gqa=True)  # [P, H, max_q, D]
     out = out.transpose(1, 2).reshape(num_prefills * max_query_len, num_heads, head_dim)
@@ -68,13 +93,15 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      decode: DecodeMetadata, scale: float,
                      sliding_window: int | None = None) -> torch.Tensor:
-    """query [num_decodes, num_heads, D] (one token per sequence) -> output of the same shape."""
+    """query [num_decodes, num_heads, D] (one token per sequence) -> output of the same shape.
+
+    The pure-torch decode path (what runs where the compiled kernel does not)."""
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     # The query heads sharing a KV head (grouped-query attention) form a short "sequence".
     grouped = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    key = gather_blocks(k_cache, decode.block_tables)  # [S, KVH, num_keys, D]
-    value = gather_blocks(v_cache, decode.block_tables)
+    key = gather_blocks(k_cache, decode.block_tables, "decode_key")  # [S, KVH, keys, D]
+    value = gather_blocks(v_cache, decode.block_tables, "decode_value")
     out = F.scaled_dot_product_attention(grouped, key, value,
                                          attn_mask=decode.mask(sliding_window), scale=scale)
     return out.reshape(num_decodes, num_heads, head_dim)
@@ -93,13 +120,22 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if metadata.decode is None:
         return prefill_attention(query, k_cache, v_cache, metadata.prefill, scale, sliding_window)
     if metadata.prefill is None:
-        return decode_attention(query, k_cache, v_cache, metadata.decode, scale, sliding_window)
+        return _decode(query, k_cache, v_cache, metadata.decode, scale, sliding_window)
     out = torch.empty_like(query)
     out[:num_prefill_tokens] = prefill_attention(query[:num_prefill_tokens], k_cache, v_cache,
                                                  metadata.prefill, scale, sliding_window)
-    out[num_prefill_tokens:] = decode_attention(query[num_prefill_tokens:], k_cache, v_cache,
-                                                metadata.decode, scale, sliding_window)
+    out[num_prefill_tokens:] = _decode(query[num_prefill_tokens:], k_cache, v_cache,
+                                       metadata.decode, scale, sliding_window)
     return out
+
+
+def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            decode: DecodeMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    if cpu_kernel.supports(query):
+        return cpu_kernel.paged_decode_attention(query, k_cache, v_cache, decode.block_pairs(),
+                                                 decode.seq_lens, decode.max_seq_len, scale,
+                                                 sliding_window)
+    return decode_attention(query, k_cache, v_cache, decode, scale, sliding_window)
 
 
 def reference_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

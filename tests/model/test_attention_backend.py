@@ -1,0 +1,149 @@
+"""Paged attention (vectorised torch path and compiled CPU decode kernel) against the plain
+per-sequence float64 reference.
+
+Random caches and block tables (shuffled physical blocks), one batch mixing every kind of
+sequence a step can hold: a whole prompt, a chunk continuing earlier chunks, a prompt after a
+prefix-cache hit, and single-token decodes of different context lengths.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.attention import AttentionMetadata, cpu_kernel
+from pagellm.attention.torch_backend import paged_attention, reference_paged_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
+# (tokens already in the cache, tokens computed this step), prefills first
+MIXED_BATCH = [
+    (0, 37),  # whole prompt
+    (21, 7),  # chunk continuing two earlier chunks
+    (32, 9),  # prompt after a 32-token prefix-cache hit
+    (0, 2),  # shortest prefill
+    (0, 1),  # one-token prompt: a decode
+    (15, 1),  # decode whose new token starts a block (block_size 16: position 15 ends one)
+    (16, 1),  # decode at the first slot of a new block
+    (70, 1),  # long decode
+]
+
+
+def make_step(batch, block_size, dtype, seed=0, slack_blocks=5):
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in batch]
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + slack_blocks
+    ids = torch.randperm(num_blocks, generator=gen).tolist()  # scattered physical blocks
+    tables, start = [], 0
+    for n in needed:
+        tables.append(ids[start:start + n] + [ids[-1]])  # one spare entry past the end
+        start += n
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    num_tokens = sum(q for _, q in batch)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    metadata = AttentionMetadata.build([q for _, q in batch], seq_lens, tables, block_size)
+    return q, k, v, k_cache, v_cache, metadata, tables, seq_lens
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Run decodes through the compiled CPU kernel, or force the pure-torch path."""
+    if request.param == "kernel" and not cpu_kernel.available():
+        pytest.skip("no C compiler: the CPU decode kernel is not built")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernel, "supports", lambda query: False)
+    return request.param
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("sliding_window", [None, 10])
+@pytest.mark.parametrize("which", ["mixed", "prefills", "decodes"])
+def test_vectorised_matches_reference(block_size, sliding_window, which, decode_path):
+    batch = {"mixed": MIXED_BATCH, "prefills": MIXED_BATCH[:4],
+             "decodes": MIXED_BATCH[4:]}[which]
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(batch, block_size,
+                                                                       torch.float32)
+    scale = HEAD_DIM ** -0.5
+    out = paged_attention(q, k, v, k_cache, v_cache, metadata, scale, sliding_window)
+    # The reference reads the step's K/V from the cache, where paged_attention wrote them.
+    expected = reference_paged_attention(q, k_cache, v_cache, [n for _, n in batch], seq_lens,
+                                         tables, scale, sliding_window)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 40])  # 64, 128: specialised; others generic
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2), (12, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_kernel_shapes(head_dim, num_heads, num_kv_heads, dtype, decode_path):
+    """Decode-only steps of many sequences: every head layout, both dtypes, with and without
+    a sliding window, against the float64 reference."""
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    seq_lens = [1, 5, 16, 17, 64, 130]
+    block_size = 8
+    tables, next_block = [], 0
+    order = torch.randperm(200, generator=gen).tolist()
+    for n in seq_lens:
+        tables.append(order[next_block:next_block + -(-n // block_size)])
+        next_block += len(tables[-1])
+    shape = (200, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
+    kv = torch.randn(len(seq_lens), num_kv_heads, head_dim, generator=gen).to(dtype)
+    metadata = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else \
+        {"atol": 2e-2, "rtol": 2e-2}
+    for window in (None, 12):
+        out = paged_attention(q, kv, kv, k_cache, v_cache, metadata, head_dim ** -0.5, window)
+        expected = reference_paged_attention(q, k_cache, v_cache, [1] * len(seq_lens),
+                                             seq_lens, tables, head_dim ** -0.5, window)
+        torch.testing.assert_close(out.float(), expected.float(), **tolerance)
+
+
+def test_step_kv_lands_in_its_slots_and_nowhere_else():
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(MIXED_BATCH, 16,
+                                                                       torch.float32)
+    before = k_cache.clone()
+    paged_attention(q, k, v, k_cache, v_cache, metadata, 1.0)
+    flat_before, flat_after = before.flatten(0, 1), k_cache.flatten(0, 1)
+    slots = metadata.slot_mapping
+    torch.testing.assert_close(flat_after[slots], k)
+    untouched = torch.ones(len(flat_after), dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat_after[untouched], flat_before[untouched])
+    # slot_mapping agrees with the block tables: position p -> table[p // bs] * bs + p % bs
+    expected, i = [], 0
+    for (context, query_len), table in zip(MIXED_BATCH, tables):
+        expected += [table[p // 16] * 16 + p % 16 for p in range(context, context + query_len)]
+    assert slots.tolist() == expected
+
+
+def test_padding_slots_are_not_written():
+    q, k, v, k_cache, v_cache, metadata, _, _ = make_step(MIXED_BATCH[4:], 16, torch.float32)
+    slot_mapping = metadata.slot_mapping.clone()
+    slot_mapping[1] = -1
+    padded = AttentionMetadata.build([1] * 4, [1, 16, 17, 71],
+                                     metadata.block_tables.tolist(), 16,
+                                     slot_mapping=slot_mapping)
+    before = k_cache.clone()
+    paged_attention(q, k, v, k_cache, v_cache, padded, 1.0)
+    changed = (k_cache != before).flatten(0, 1).any(-1).any(-1)
+    assert changed.sum() == 3 and not changed[metadata.slot_mapping[1]]
+
+
+def test_bfloat16_close_to_float64_reference(decode_path):
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(MIXED_BATCH, 16,
+                                                                       torch.bfloat16)
+    out = paged_attention(q, k, v, k_cache, v_cache, metadata, HEAD_DIM ** -0.5)
+    expected = reference_paged_attention(q, k_cache, v_cache, [n for _, n in MIXED_BATCH],
+                                         seq_lens, tables, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_prefills_must_precede_decodes():
+    with pytest.raises(ValueError, match="precede"):
+        AttentionMetadata.build([1, 5], [1, 5], [[0], [1]], 16)
