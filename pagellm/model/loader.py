@@ -61,7 +61,7 @@ def _download(repo_id: str) -> Path:
         raise ModelNotFoundError(
             f"could not fetch model {repo_id!r} from the Hugging Face Hub "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Without "
-            f"network access, download it on another machine (huggingface-cli download "
+            f"network access, download it on another machine (hf download "
             f"{repo_id}) and pass the local folder instead, e.g. model='/path/to/folder'"
         ) from exc
 
