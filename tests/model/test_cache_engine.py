@@ -1,0 +1,65 @@
+"""CacheEngine: layout, bytes per block, block copies and swap round trips (all layers)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from pagellm.worker.cache_engine import CacheEngine
+
+
+@pytest.fixture
+def engine() -> CacheEngine:
+    config = tiny_config("Qwen3ForCausalLM", num_hidden_layers=3)  # head_dim 32, 2 KV heads
+    engine = CacheEngine(config, num_blocks=10, num_cpu_blocks=4, block_size=4,
+                         dtype=torch.float32, device="cpu")
+    for layer, (k, v) in enumerate(engine.kv_caches):  # block b of layer l holds l*100 + b
+        k.copy_(layer * 100 + torch.arange(10.0).view(10, 1, 1, 1).expand_as(k))
+        v.copy_(-k)
+    return engine
+
+
+def block_values(engine: CacheEngine, block: int) -> list[float]:
+    return [float(k[block].mean()) for k, _ in engine.kv_caches]
+
+
+def test_layout_and_bytes_per_block(engine):
+    assert len(engine.kv_caches) == 3
+    for k, v in engine.kv_caches:
+        assert k.shape == v.shape == (10, 4, 2, 32)
+    assert engine.cpu_cache.shape[2:] == (4, 4, 2, 32)
+    config = tiny_config("Qwen3ForCausalLM", num_hidden_layers=3)
+    # 2 (K, V) x 3 layers x 4 tokens x 2 KV heads x 32 dims x 2 bytes
+    assert CacheEngine.bytes_per_block(config, 4, torch.bfloat16) == 2 * 3 * 4 * 2 * 32 * 2
+
+
+def test_bytes_per_block_counts_kv_heads_not_query_heads():
+    """Llama-2-70B: 80 layers, 8 KV heads of 128 (64 query heads), fp16 -> 327,680 B/token."""
+    config = tiny_config("LlamaForCausalLM", hidden_size=8192, num_attention_heads=64,
+                         num_key_value_heads=8, num_hidden_layers=80)
+    assert CacheEngine.bytes_per_block(config, 16, torch.float16) == 327_680 * 16
+
+
+def test_copy_blocks_copies_every_layer_k_and_v(engine):
+    engine.copy_blocks([(2, 7), (3, 8)])
+    assert block_values(engine, 7) == [2.0, 102.0, 202.0]
+    assert block_values(engine, 8) == [3.0, 103.0, 203.0]
+    assert block_values(engine, 2) == [2.0, 102.0, 202.0]  # source untouched
+    for k, v in engine.kv_caches:
+        assert torch.equal(v, -k)
+
+
+def test_swap_out_then_in_round_trips(engine):
+    engine.swap_out([(5, 0), (6, 3)])
+    engine.kv_caches[0][0][5].zero_()
+    engine.swap_in([(0, 1), (3, 9)])  # into other device blocks
+    assert block_values(engine, 1) == [5.0, 105.0, 205.0]
+    assert block_values(engine, 9) == [6.0, 106.0, 206.0]
+    assert float(engine.kv_caches[2][1][9].mean()) == -206.0
+
+
+def test_out_of_range_block_ids_are_rejected(engine):
+    with pytest.raises(ValueError, match="out of range"):
+        engine.copy_blocks([(0, 10)])
+    with pytest.raises(ValueError, match="out of range"):
+        engine.swap_out([(0, 4)])
