@@ -86,3 +86,15 @@ def test_sequences_ending_at_block_boundaries(model_zoo, block_size):
     single = run_greedy(path, prompts[2:3], MAX_NEW_TOKENS, block_size=block_size,
                         chunk_size=block_size)
     assert_greedy_matches(single, reference, prompts[2:3])
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral-sliding", "qwen3"])
+def test_pure_torch_decode_path_matches_transformers(model_zoo, prompts, variant,
+                                                     monkeypatch):
+    """The same tokens where the compiled CPU kernel is unavailable (no compiler, float16,
+    other devices): decodes then gather the context and run scaled_dot_product_attention."""
+    from pagellm.attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "supports", lambda query: False)
+    path, reference = model_zoo(variant)
+    assert_greedy_matches(run_greedy(path, prompts, MAX_NEW_TOKENS), reference, prompts)
