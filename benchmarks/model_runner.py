@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/model_runner.py                  # float32 and bfloat16
     .venv/bin/python benchmarks/model_runner.py --dtypes bfloat16 --batch-sizes 64 --iters 5
+    .venv/bin/python benchmarks/model_runner.py --torch-decode   # without the CPU kernel
 
 Workload (fixed seed, random weights std 0.02, nothing downloaded): decode steps of 1, 8, 32,
 64 and 128 sequences, each at 512 tokens of context (511 cached + 1 new), and one 512-token
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 import pagellm.attention.layer as attention_layer
+from pagellm.attention import cpu_kernel
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.model_runner import ModelRunner, ScheduledSeq
@@ -168,14 +170,20 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512, help="0 to skip")
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--torch-decode", action="store_true",
+                        help="decode attention through the pure-torch path, not the CPU kernel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.torch_decode:
+        cpu_kernel.supports = lambda query: False
     results = []
     for dtype_name in args.dtypes.split(","):
         results += run(dtype_name, [int(b) for b in args.batch_sizes.split(",")], args.context,
                        args.prefill, args.iters)
     print(json.dumps({"model": "small Llama (random weights)", **SMALL_LLAMA,
                       "block_size": BLOCK_SIZE, "threads": args.threads,
+                      "decode_attention": "torch" if args.torch_decode or not
+                      cpu_kernel.available() else "cpu_kernel",
                       "torch": torch.__version__, "cpu": platform.processor() or
                       platform.machine(), "results": results}, indent=1))
 

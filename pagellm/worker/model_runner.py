@@ -83,6 +83,11 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[seq.num_computed_tokens:end])
         metadata = AttentionMetadata.build(query_lens, seq_lens, [s.block_table for s in packed],
                                            self.block_size, self.device)
+        tables = metadata.block_tables  # one vectorised bounds check instead of one per seq
+        if tables.numel() and (int(tables.min()) < 0
+                               or int(tables.max()) >= self.cache_engine.num_blocks):
+            raise ValueError(f"the block tables hold ids outside the cache's "
+                             f"{self.cache_engine.num_blocks} blocks")
         return ModelInput(torch.tensor(input_ids, dtype=torch.int64).to(self.device), metadata,
                           self._logits_indices(batch, order, query_lens))
 
@@ -116,7 +121,3 @@ class ModelRunner:
         if num_blocks > len(seq.block_table):
             raise ValueError(f"{end} tokens need {num_blocks} blocks of {self.block_size}, "
                              f"the block table has {len(seq.block_table)}")
-        used = seq.block_table[:num_blocks]
-        if min(used) < 0 or max(used) >= self.cache_engine.num_blocks:
-            raise ValueError(f"block table {used[:8]}... holds ids outside the cache's "
-                             f"{self.cache_engine.num_blocks} blocks")
