@@ -33,6 +33,7 @@ class PrefillMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    only_new_tokens: bool = False  # one prefill, no cached context: keys = the step's tokens
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None = None) -> torch.Tensor:
@@ -199,4 +200,5 @@ def _build_prefill(query_lens: torch.Tensor, seq_lens: torch.Tensor, table: torc
         block_tables=table[:, :-(-int(seq_lens.max()) // block_size)].to(device),
         seq_lens=seq_lens.to(device),
         query_positions=query_positions.to(device), padded_index=padded_index.to(device),
-        max_query_len=max_query_len, max_seq_len=int(seq_lens.max()), block_size=block_size)
+        max_query_len=max_query_len, max_seq_len=int(seq_lens.max()), block_size=block_size,
+        only_new_tokens=num_prefills == 1 and bool(seq_lens[0] == query_lens[0]))

@@ -73,11 +73,20 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor,
     return gathered.view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
-def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      prefill: PrefillMetadata, scale: float,
-                      sliding_window: int | None = None) -> torch.Tensor:
-    """query [num_prefill_tokens, num_heads, D] -> output of the same shape."""
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, prefill: PrefillMetadata,
+                      scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """query [num_prefill_tokens, num_heads, D]; key, value [num_prefill_tokens, KVH, D] of
+    the step (already in the cache) -> output [num_prefill_tokens, num_heads, D]."""
     num_tokens, num_heads, head_dim = query.shape
+    if prefill.only_new_tokens and (sliding_window is None or sliding_window >= num_tokens):
+        # A whole prompt alone: its keys are the step's own, so plain causal attention (the
+        # kernel transformers uses too) needs neither a gather nor a mask.
+        out = F.scaled_dot_product_attention(query.transpose(0, 1)[None],
+                                             key.transpose(0, 1)[None],
+                                             value.transpose(0, 1)[None], is_causal=True,
+                                             scale=scale, enable_gqa=True)  # [1, H, T, D]
+        return out[0].transpose(0, 1)
     num_prefills, max_query_len = prefill.query_positions.shape
     padded = query.new_zeros(num_prefills * max_query_len, num_heads, head_dim)
     padded.index_copy_(0, prefill.padded_index, query)
@@ -118,12 +127,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     write_to_kv_cache(key, value, k_cache, v_cache, metadata)
     num_prefill_tokens = metadata.num_prefill_tokens
     if metadata.decode is None:
-        return prefill_attention(query, k_cache, v_cache, metadata.prefill, scale, sliding_window)
+        return prefill_attention(query, key, value, k_cache, v_cache, metadata.prefill, scale,
+                                 sliding_window)
     if metadata.prefill is None:
         return _decode(query, k_cache, v_cache, metadata.decode, scale, sliding_window)
     out = torch.empty_like(query)
-    out[:num_prefill_tokens] = prefill_attention(query[:num_prefill_tokens], k_cache, v_cache,
-                                                 metadata.prefill, scale, sliding_window)
+    out[:num_prefill_tokens] = prefill_attention(
+        query[:num_prefill_tokens], key[:num_prefill_tokens], value[:num_prefill_tokens],
+        k_cache, v_cache, metadata.prefill, scale, sliding_window)
     out[num_prefill_tokens:] = _decode(query[num_prefill_tokens:], k_cache, v_cache,
                                        metadata.decode, scale, sliding_window)
     return out

@@ -60,10 +60,10 @@ def decode_path(request, monkeypatch):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("sliding_window", [None, 10])
-@pytest.mark.parametrize("which", ["mixed", "prefills", "decodes"])
+@pytest.mark.parametrize("which", ["mixed", "prefills", "decodes", "one_prompt"])
 def test_vectorised_matches_reference(block_size, sliding_window, which, decode_path):
-    batch = {"mixed": MIXED_BATCH, "prefills": MIXED_BATCH[:4],
-             "decodes": MIXED_BATCH[4:]}[which]
+    batch = {"mixed": MIXED_BATCH, "prefills": MIXED_BATCH[:4], "decodes": MIXED_BATCH[4:],
+             "one_prompt": MIXED_BATCH[:1]}[which]  # one whole prompt: plain causal path
     q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(batch, block_size,
                                                                        torch.float32)
     scale = HEAD_DIM ** -0.5
