@@ -1,0 +1,222 @@
+"""Triton paged attention (attention/triton_backend.py) against the plain float64 reference.
+
+The kernels run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 must be set
+before the kernels are defined, hence at the top of this module), which executes each program
+with numpy: the same indexing, masks and online softmax as on a GPU, at a few milliseconds a
+program, so the shapes stay small. What the interpreter does not check (types the GPU compiler
+rejects, register pressure) is covered by compiling the kernels for sm_90 in a subprocess.
+
+Batches mix every kind of sequence a step can hold: whole prompts, chunks continuing earlier
+chunks, prompts after a prefix-cache hit, and single-token decodes, over shuffled physical blocks.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton_backend defines its kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from pagellm.attention import AttentionMetadata  # noqa: E402
+from pagellm.attention import torch_backend  # noqa: E402
+from pagellm.attention import triton_backend  # noqa: E402
+from pagellm.attention.torch_backend import reference_paged_attention  # noqa: E402
+
+if not triton_backend.INTERPRETED:
+    pytest.skip("triton_backend was imported before TRITON_INTERPRET=1 was set",
+                allow_module_level=True)
+
+# (tokens already in the cache, tokens computed this step), prefills first
+MIXED_BATCH = [
+    (0, 37),  # whole prompt: spans several 16-query blocks
+    (21, 7),  # chunk continuing two earlier chunks
+    (32, 9),  # prompt after a 32-token prefix-cache hit
+    (0, 2),  # shortest prefill
+    (24, 6),  # chunk whose first key visible under window 10 (15) ends a 16-key tile
+    (0, 1),  # one-token prompt: a decode
+    (24, 1),  # decode whose first key visible under window 10 (15) ends a 16-key tile
+    (15, 1),  # decode whose new token ends a 16-token block
+    (16, 1),  # decode at the first slot of a new block
+    (70, 1),  # long decode: several key tiles
+]
+# The smallest tiles tl.dot allows: short test sequences still span several query blocks and
+# key tiles, and the sliding window skips whole tiles.
+SMALL_TILES = triton_backend.LaunchConfig(16, 16, 4, 16, 4)
+
+
+def make_step(batch, block_size, dtype, num_heads=6, num_kv_heads=2, head_dim=16, seed=0):
+    """Random caches, block tables over shuffled physical blocks, and the step's q/k/v."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in batch]
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + 5
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for n in needed:
+        tables.append(ids[start:start + n])
+        start += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    num_tokens = sum(q for _, q in batch)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    metadata = AttentionMetadata.build([q for _, q in batch], seq_lens, tables, block_size)
+    return q, k, v, k_cache, v_cache, metadata, tables, seq_lens
+
+
+def run_and_reference(batch, block_size, dtype, sliding_window=None, **shape):
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(batch, block_size, dtype,
+                                                                       **shape)
+    scale = q.shape[-1] ** -0.5
+    out = triton_backend.paged_attention(q, k, v, k_cache, v_cache, metadata, scale,
+                                         sliding_window)
+    # The reference reads the step's K/V from the cache, where the write kernel put them.
+    expected = reference_paged_attention(q, k_cache, v_cache, [n for _, n in batch], seq_lens,
+                                         tables, scale, sliding_window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    return out, expected
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(triton_backend, "launch_config", lambda dtype, head_dim: SMALL_TILES)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("sliding_window", [None, 10])
+@pytest.mark.parametrize("tiles", ["small", "default"])
+def test_mixed_batch_matches_reference(block_size, sliding_window, tiles, monkeypatch):
+    if tiles == "small":
+        monkeypatch.setattr(triton_backend, "launch_config", lambda *_: SMALL_TILES)
+    out, expected = run_and_reference(MIXED_BATCH, block_size, torch.float32, sliding_window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("which", ["prefills", "decodes"])
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_prefill_only_and_decode_only_steps(which, sliding_window, small_tiles):
+    batch = [(c, n) for c, n in MIXED_BATCH if (n > 1) == (which == "prefills")]
+    out, expected = run_and_reference(batch, 4, torch.float32, sliding_window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2), (12, 4), (32, 1)])
+@pytest.mark.parametrize("head_dim", [16, 40])  # 40: not a power of two, masked lanes
+def test_head_layouts(num_heads, num_kv_heads, head_dim, small_tiles):
+    """Multi-head, grouped-query (group 3 pads the decode tile's rows) and multi-query."""
+    batch = [(5, 20), (0, 1), (40, 1)]
+    out, expected = run_and_reference(batch, 4, torch.float32, 12, num_heads=num_heads,
+                                      num_kv_heads=num_kv_heads, head_dim=head_dim)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_float64_reference(dtype, small_tiles):
+    out, expected = run_and_reference(MIXED_BATCH, 16, dtype, head_dim=32)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_agrees_with_torch_backend():
+    """Same inputs through both backends: same outputs and the same caches afterwards."""
+    q, k, v, k_cache, v_cache, metadata, _, _ = make_step(MIXED_BATCH, 4, torch.float32)
+    caches = (k_cache.clone(), v_cache.clone())
+    out = triton_backend.paged_attention(q, k, v, k_cache, v_cache, metadata, 0.3, 20)
+    expected = torch_backend.paged_attention(q, k, v, *caches, metadata, 0.3, 20)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+
+
+def test_query_view_of_a_fused_projection(small_tiles):
+    """The model passes q/k/v as column slices of one qkv matmul: strided, not contiguous."""
+    q, k, v, k_cache, v_cache, metadata, _, _ = make_step(MIXED_BATCH, 16, torch.float32)
+    num_tokens = q.shape[0]
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [T, (H + 2KVH) D]
+    q_view, k_view, v_view = fused.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
+    q_view, k_view, v_view = (t.view(num_tokens, -1, 16) for t in (q_view, k_view, v_view))
+    assert not q_view.is_contiguous()
+    caches = (k_cache.clone(), v_cache.clone())
+    out = triton_backend.paged_attention(q_view, k_view, v_view, k_cache, v_cache, metadata, 0.25)
+    expected = triton_backend.paged_attention(q, k, v, *caches, metadata, 0.25)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+
+
+def test_step_kv_lands_in_its_slots_and_nowhere_else():
+    q, k, v, k_cache, v_cache, metadata, _, _ = make_step(MIXED_BATCH, 4, torch.float32)
+    slot_mapping = metadata.slot_mapping.clone()
+    slot_mapping[[3, 40]] = -1  # padding tokens: not written
+    padded = AttentionMetadata.build([n for _, n in MIXED_BATCH],
+                                     metadata.seq_lens.tolist(), metadata.block_tables.tolist(),
+                                     4, slot_mapping=slot_mapping)
+    v = torch.cat([v, torch.zeros_like(v)], dim=-1)[..., :v.shape[-1]]  # strides unlike k's
+    before = (k_cache.clone(), v_cache.clone())
+    triton_backend.write_to_kv_cache(k, v, k_cache, v_cache, padded.slot_mapping)
+    written = slot_mapping >= 0
+    for cache, old, new in ((k_cache, before[0], k), (v_cache, before[1], v)):
+        flat, flat_before = cache.flatten(0, 1), old.flatten(0, 1)  # [slots, KVH, D]
+        assert torch.equal(flat[slot_mapping[written]], new[written])
+        untouched = torch.ones(len(flat), dtype=torch.bool)
+        untouched[slot_mapping[written]] = False
+        assert torch.equal(flat[untouched], flat_before[untouched])
+        assert torch.equal(flat[metadata.slot_mapping[[3, 40]]],
+                           flat_before[metadata.slot_mapping[[3, 40]]])
+
+
+# Compiles the kernels for an H100/H200 (sm_90) as a launch with these arguments would,
+# without a GPU: Triton's frontend and ptxas check what the interpreter lets through (dtypes
+# of tl.dot operands, constexpr branches, early returns). Runs where TRITON_INTERPRET is unset.
+COMPILE_FOR_SM90 = r"""
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+from pagellm.attention import triton_backend as tb
+
+try:
+    get_ptxas(90).path
+except Exception as error:
+    raise SystemExit(f"SKIP: no ptxas ({error})")
+INDEX_POINTERS = {"slot_mapping_ptr", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
+
+def compile_kernel(fn, dtype, constexprs, num_warps):
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            signature[name] = "*i64" if name in INDEX_POINTERS else "*" + dtype
+        else:
+            signature[name] = "fp32" if name == "scale_log2" else "i32"
+        if name.endswith("_ptr") or name.startswith("stride") or name == "head_dim":
+            attrs[(i,)] = [["tt.divisibility", 16]]  # as a launch specialises aligned values
+    triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+for torch_dtype, dtype in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+    config = tb.launch_config(torch_dtype, 128)
+    common = dict(QUERIES_PER_KV=3, BLOCK_D=128, USE_WINDOW=True,
+                  DOT_PRECISION=tb._dot_precision(torch_dtype), UPCAST_DOT=False)
+    compile_kernel(tb._write_kv_kernel, dtype, dict(BLOCK_H=4, BLOCK_D=128), 4)
+    compile_kernel(tb._prefill_kernel, dtype, dict(common, BLOCK_M=config.prefill_block_m,
+                   BLOCK_N=config.prefill_block_n), config.prefill_warps)
+    compile_kernel(tb._decode_kernel, dtype, dict(common, BLOCK_G=16,
+                   BLOCK_N=config.decode_block_n), config.decode_warps)
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env,
+                            capture_output=True, text=True, timeout=300)
+    if result.stderr.startswith("SKIP") or result.stdout.startswith("SKIP"):
+        pytest.skip(result.stderr.strip() or result.stdout.strip())
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
