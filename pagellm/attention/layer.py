@@ -1,6 +1,10 @@
 """The attention layer the models call: heads in, heads out, K/V through the paged cache."""
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -8,6 +12,33 @@ from pagellm.attention.metadata import AttentionMetadata
 from pagellm.attention.torch_backend import paged_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [num_blocks, block_size, KVH, D]
+BACKENDS = ("auto", "torch", "triton")
+
+
+def select_backend(query: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The ``paged_attention`` to run: Triton kernels for CUDA tensors when triton imports,
+    else the torch path. ``PAGELLM_ATTENTION_BACKEND=torch`` or ``=triton`` forces one
+    (``triton`` on CPU tensors runs under ``TRITON_INTERPRET=1``, as the tests do)."""
+    choice = os.environ.get("PAGELLM_ATTENTION_BACKEND", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"PAGELLM_ATTENTION_BACKEND={choice!r}; expected one of {BACKENDS}")
+    if choice == "torch" or (choice == "auto" and not query.is_cuda):
+        return paged_attention
+    triton_attention = _triton_paged_attention()
+    if triton_attention is not None:
+        return triton_attention
+    if choice == "triton":
+        raise RuntimeError("PAGELLM_ATTENTION_BACKEND=triton, but triton cannot be imported")
+    return paged_attention
+
+
+@functools.cache
+def _triton_paged_attention() -> Callable[..., torch.Tensor] | None:
+    try:
+        from pagellm.attention import triton_backend
+    except ImportError:
+        return None
+    return triton_backend.paged_attention
 
 
 class Attention(nn.Module):
@@ -31,8 +62,9 @@ class Attention(nn.Module):
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]."""
         k_cache, v_cache = kv_cache
-        return paged_attention(query, key, value, k_cache, v_cache, metadata, self.scale,
-                               self.sliding_window)
+        attend = select_backend(query)
+        return attend(query, key, value, k_cache, v_cache, metadata, self.scale,
+                      self.sliding_window)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "

@@ -22,10 +22,13 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.attention import AttentionMetadata  # noqa: E402
+from pagellm.attention import layer as attention_layer  # noqa: E402
 from pagellm.attention import torch_backend  # noqa: E402
 from pagellm.attention import triton_backend  # noqa: E402
 from pagellm.attention.torch_backend import reference_paged_attention  # noqa: E402
+from pagellm.bench.random_model import build_random_model  # noqa: E402
 
 if not triton_backend.INTERPRETED:
     pytest.skip("triton_backend was imported before TRITON_INTERPRET=1 was set",
@@ -169,6 +172,19 @@ def test_step_kv_lands_in_its_slots_and_nowhere_else():
                            flat_before[metadata.slot_mapping[[3, 40]]])
 
 
+def test_dispatch(monkeypatch):
+    cpu_query = torch.zeros(1, 4, 16)
+    monkeypatch.delenv("PAGELLM_ATTENTION_BACKEND", raising=False)
+    assert attention_layer.select_backend(cpu_query) is torch_backend.paged_attention
+    monkeypatch.setenv("PAGELLM_ATTENTION_BACKEND", "triton")
+    assert attention_layer.select_backend(cpu_query) is triton_backend.paged_attention
+    monkeypatch.setenv("PAGELLM_ATTENTION_BACKEND", "torch")
+    assert attention_layer.select_backend(cpu_query) is torch_backend.paged_attention
+    monkeypatch.setenv("PAGELLM_ATTENTION_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="PAGELLM_ATTENTION_BACKEND='cuda'"):
+        attention_layer.select_backend(cpu_query)
+
+
 # Compiles the kernels for an H100/H200 (sm_90) as a launch with these arguments would,
 # without a GPU: Triton's frontend and ptxas check what the interpreter lets through (dtypes
 # of tl.dot operands, constexpr branches, early returns). Runs where TRITON_INTERPRET is unset.
@@ -220,3 +236,40 @@ def test_kernels_compile_for_sm90():
     if result.stderr.startswith("SKIP") or result.stdout.startswith("SKIP"):
         pytest.skip(result.stderr.strip() or result.stdout.strip())
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def sliding_model(tmp_path_factory):
+    """Tiny Mistral (4 query heads over 2 KV heads, head_dim 16) with a 12-token window."""
+    return build_random_model(tmp_path_factory.mktemp("triton") / "model",
+                              "MistralForCausalLM", seed=3, sliding_window=12)
+
+
+def test_llm_generate_same_greedy_tokens_as_torch(sliding_model, monkeypatch):
+    """The whole engine on both backends: block size 4, a 16-token step budget (prompts run
+    in chunks beside decodes), then the same prompts again (prefix-cache hits)."""
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, 512, (9,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 14, 25)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+    def generate(backend: str, repeats: int = 1):
+        monkeypatch.setenv("PAGELLM_ATTENTION_BACKEND", backend)
+        llm = LLM(str(sliding_model), dtype="float32", device="cpu", block_size=4,
+                  max_model_len=64, max_num_batched_tokens=16, num_gpu_blocks_override=64,
+                  swap_space=0.001)
+        runs = [llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                             use_tqdm=False) for _ in range(repeats)]
+        tokens = [[list(o.outputs[0].token_ids) for o in run] for run in runs]
+        return tokens, llm.llm_engine.get_stats()
+
+    (expected,), _ = generate("torch")
+    assert len({t for tokens in expected for t in tokens}) > 10, "the model should not collapse"
+    launches = []
+    choose_tiles = triton_backend.launch_config
+    monkeypatch.setattr(triton_backend, "launch_config",
+                        lambda *args: launches.append(args) or choose_tiles(*args))
+    tokens, stats = generate("triton", repeats=2)
+    assert tokens == [expected, expected]
+    assert stats.prefix_cache_hits > 0
+    assert len(launches) > 2 * 20  # every layer of every step ran the Triton kernels
