@@ -3,12 +3,12 @@ as real Hugging Face folders (config.json, safetensors, tokenizer), and transfor
 
     path = make_tiny_model(tmp_path, "Qwen3ForCausalLM", head_dim=32)   # -> folder
     tokenizer = AutoTokenizer.from_pretrained(path)                      # works, chat template too
-    tokens = hf_greedy(load_hf_model(path), prompt_ids, 32)            # transformers reference
+    tokens = hf_greedy(load_hf_model(path), prompt_ids, 32)              # transformers reference
 
 Why the weights are scaled: with transformers' default init (std 0.02) a random model's greedy
 output collapses into one repeated token, so "same greedy tokens" would prove little. Matrices
 drawn with std 0.3 give varied tokens, so a wrong position, mask, block lookup or rotary angle
-changes them. Same arguments + same seed = same files, byte for byte.
+changes them. Same arguments and seed give the same weights and tokenizer.
 
 The tokenizer is a byte-level BPE trained on a small built-in text: it encodes any string
 (bytes are its base alphabet) and every model id decodes (ids the training did not reach are
