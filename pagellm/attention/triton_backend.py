@@ -37,6 +37,7 @@ import triton.language as tl
 
 from pagellm.attention.metadata import AttentionMetadata
 
+
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
     """Tile sizes and warps per program. tl.dot needs every tile dimension >= 16."""
@@ -50,8 +51,8 @@ class LaunchConfig:
 
 def launch_config(dtype: torch.dtype, head_dim: int) -> LaunchConfig:
     """Tiles that compile for sm_90 without register spills (checked with ptxas for head_dim
-    64, 128 and 256). float32 tiles are smaller: its IEEE dot products run on the FMA units and keep
-    twice the bytes per element in registers."""
+    64, 128 and 256). float32 tiles are smaller: IEEE float32 dot products run on the FMA
+    units, and every element takes twice the registers of a 16-bit one."""
     if dtype == torch.float32:
         if head_dim <= 128:
             return LaunchConfig(64, 32, 8, 32, 4)
@@ -323,7 +324,7 @@ def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                          f"{k_cache.shape[2]} KV heads")
     if not query.is_cuda and not INTERPRETED:
         raise RuntimeError("the Triton attention backend runs on CUDA tensors; on CPU tensors "
-                           "only under TRITON_INTERPRET=1 (set before triton is imported)")
+                           "only under TRITON_INTERPRET=1, set before this module is imported")
 
 
 def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
