@@ -125,3 +125,55 @@ def test_cli_serving_writes_json_and_plot(fake_server, tmp_path, tiny_model):
     assert report["model"] == "fake-model" and report["completed"] == 6
     assert report["output_tokens"] == report["workload"]["output_tokens_total"]
     assert plot.stat().st_size > 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_against_pagellm_serve(tiny_model, tmp_path):
+    """The client and ``pagellm serve`` agree on the protocol: token-id prompts, ignore_eos,
+    streamed usage; every requested token arrives."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = _free_port()
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pagellm", "serve", str(tiny_model), "--port", str(port),
+         "--dtype", "float32", "--num-gpu-blocks-override", "128", "--swap-space", "0.01",
+         "--disable-log-stats", "--uvicorn-log-level", "warning"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                pytest.fail("pagellm serve did not start: " + server.stderr.read().decode()[-2000:])
+            time.sleep(0.2)
+        from pagellm.bench.serving import first_served_model
+
+        requests = _requests(8)
+        config = ServingConfig(base_url=base_url, model=first_served_model(base_url),
+                               max_concurrency=4)
+        report = benchmark_serving(config, requests)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert report["failed"] == 0, report["errors"]
+    assert report["output_tokens"] == sum(r.output_len for r in requests)
+    assert report["prompt_tokens"] == sum(r.prompt_len for r in requests)
+    assert report["ttft_ms"]["median"] is not None and report["itl_ms"]["median"] is not None
