@@ -133,11 +133,15 @@ def test_all_greedy_batch_without_penalties_is_argmax_and_logsumexp_only() -> No
             return func(*args, **(kwargs or {}))
 
     logits = random_logits(8)
-    params = [SamplingParams(temperature=0.0)] * 8
-    with RecordOps() as recorder:
-        Sampler(VOCAB, EOS)(logits, make_meta(params))
     heavy = {"clone", "sort", "topk", "softmax", "_softmax", "_log_softmax", "cumsum",
              "uniform", "searchsorted", "gt", "sum", "index", "bincount"}
+    with RecordOps() as recorder:
+        out = Sampler(VOCAB, EOS)(logits, make_meta([SamplingParams(temperature=0.0)] * 8))
+    assert "argmax" in recorder.ops and "logsumexp" not in recorder.ops
+    assert not heavy & set(recorder.ops), recorder.ops
+    assert out.logprobs is None and out.ranks is None
+    with RecordOps() as recorder:
+        Sampler(VOCAB, EOS)(logits, make_meta([SamplingParams(temperature=0.0, logprobs=0)] * 8))
     assert "argmax" in recorder.ops and "logsumexp" in recorder.ops
     assert not heavy & set(recorder.ops), recorder.ops
 
@@ -145,7 +149,8 @@ def test_all_greedy_batch_without_penalties_is_argmax_and_logsumexp_only() -> No
 def test_padded_vocabulary_columns_are_never_sampled() -> None:
     logits = torch.zeros(3, VOCAB + 14)
     logits[:, VOCAB:] = 100.0
-    params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(top_p=0.5)]
+    params = [SamplingParams(temperature=0.0, logprobs=0), SamplingParams(),
+              SamplingParams(top_p=0.5)]
     out = Sampler(VOCAB, EOS)(logits, make_meta(params))
     assert all(t < VOCAB for t in out.token_ids)
     assert out.logprobs[0] == pytest.approx(-math.log(VOCAB), abs=1e-5)
@@ -279,7 +284,7 @@ def test_min_tokens_masks_eos_and_stop_tokens() -> None:
     logits[:, EOS] = 10.0
     logits[:, 20] = 9.0
     logits[:, 30] = 8.0
-    params = [SamplingParams(temperature=0.0, min_tokens=3),
+    params = [SamplingParams(temperature=0.0, min_tokens=3, logprobs=0),
               SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[20]),
               SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True),
               SamplingParams(temperature=0.0, min_tokens=3)]

@@ -211,7 +211,9 @@ class LLMEngine:
         touched: set[Request] = set()
         if sample_seqs:
             rows, seqs = self._expand_forks(sample_rows, sample_seqs)
-            sampled = self._sample(logits[rows], seqs)
+            # Rows 0..n-1 in order (plain decode batches) need no gathered copy of the logits.
+            picked = logits[:len(rows)] if rows == list(range(len(rows))) else logits[rows]
+            sampled = self._sample(picked, seqs)
             self._append_tokens(seqs, sampled)
             touched.update(seq.request for seq in seqs)
         return touched
@@ -279,8 +281,8 @@ class LLMEngine:
         for i, seq in enumerate(seqs):
             token = sampled.token_ids[i]
             seq.token_ids.append(token)
-            seq.cumulative_logprob += sampled.logprobs[i]
             if seq.logprobs is not None:
+                seq.cumulative_logprob += sampled.logprobs[i]
                 seq.logprobs.append(self.output_processor.token_logprobs(sampled, i))
             self.stats.record_token(seq, now)
             self.output_processor.update(seq)

@@ -111,7 +111,7 @@ def _make_kv_manager(args: EngineArgs, num_gpu_blocks: int, num_cpu_blocks: int,
                      max_model_len: int):
     if args.kv_allocator == "contiguous":
         return ContiguousKVCacheManager(num_gpu_blocks, args.block_size, max_model_len,
-                                        num_cpu_blocks=num_cpu_blocks)
+                                        num_cpu_blocks=num_cpu_blocks, watermark=args.watermark)
     return KVCacheManager(num_gpu_blocks, args.block_size, num_cpu_blocks=num_cpu_blocks,
                           enable_prefix_caching=args.enable_prefix_caching,
                           watermark=args.watermark)

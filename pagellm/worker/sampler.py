@@ -48,11 +48,12 @@ class SamplingMetadata:
 class SamplerOutput:
     """Per row: the chosen token, its raw logprob and rank (1 = most likely), and the
     ``params.logprobs`` most likely tokens as (token_id, logprob) pairs, or None when the
-    request did not ask for logprobs."""
+    request did not ask for logprobs. ``logprobs`` and ``ranks`` are None when no row of the
+    batch asked for logprobs."""
 
     token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
+    logprobs: list[float] | None
+    ranks: list[int] | None
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
@@ -89,10 +90,13 @@ class Sampler:
             token_ids[rows] = _sample_random(
                 processed[rows], [meta.params[i] for i in random_rows],
                 [meta.generators[i] for i in random_rows])
+        num_logprobs = [p.logprobs for p in meta.params]
+        if all(k is None for k in num_logprobs):
+            # Nobody asked: skip the [rows, vocab] logsumexp (as vLLM does).
+            return SamplerOutput(token_ids.tolist(), None, None, [None] * num_rows)
         # Argmax of the untouched logits is rank 1 by definition: no need to count.
         raw_argmax = processed is logits and len(greedy_rows) == num_rows
-        return compute_logprobs(logits, token_ids, [p.logprobs for p in meta.params],
-                                ranks_are_one=raw_argmax)
+        return compute_logprobs(logits, token_ids, num_logprobs, ranks_are_one=raw_argmax)
 
     def _apply_min_tokens_and_penalties(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         """Returns ``logits`` itself when no row needs either, else a processed copy."""
