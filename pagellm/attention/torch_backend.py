@@ -30,18 +30,20 @@ import torch.nn.functional as F
 from pagellm.attention import cpu_kernel
 from pagellm.attention.metadata import AttentionMetadata, DecodeMetadata, PrefillMetadata
 
-_scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+_scratch: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
 
 def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
     """A reusable tensor of ``shape`` (uninitialised). Valid until the next call with ``name``;
-    the engine runs one step at a time."""
+    the engine runs one step at a time. Buffers made under inference mode are kept apart: such
+    a tensor cannot be written in place outside it."""
     numel = math.prod(shape)
-    buffer = _scratch.get((name, dtype, device))
+    key = (name, dtype, device, torch.is_inference_mode_enabled())
+    buffer = _scratch.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = torch.empty(int(numel * 1.25) + 1024, dtype=dtype, device=device)
-        _scratch[(name, dtype, device)] = buffer
+        _scratch[key] = buffer
     return buffer[:numel].view(shape)
 
 
