@@ -48,11 +48,17 @@ def make_step(batch, block_size, dtype, seed=0, slack_blocks=5):
     return q, k, v, k_cache, v_cache, metadata, tables, seq_lens
 
 
-@pytest.fixture(params=["kernel", "torch"])
+_PORTABLE_KERNEL = cpu_kernel._Kernel(portable=True)
+
+
+@pytest.fixture(params=["kernel", "portable", "torch"])
 def decode_path(request, monkeypatch):
-    """Run decodes through the compiled CPU kernel, or force the pure-torch path."""
-    if request.param == "kernel" and not cpu_kernel.available():
+    """Run decodes through the compiled CPU kernel (with this CPU's vector inner loops, or
+    the plain-C ones that other CPUs get), or force the pure-torch path."""
+    if request.param != "torch" and not cpu_kernel.available():
         pytest.skip("no C compiler: the CPU decode kernel is not built")
+    if request.param == "portable":
+        monkeypatch.setattr(cpu_kernel, "_KERNEL", _PORTABLE_KERNEL)
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernel, "supports", lambda query: False)
     return request.param
@@ -147,3 +153,19 @@ def test_bfloat16_close_to_float64_reference(decode_path):
 def test_prefills_must_precede_decodes():
     with pytest.raises(ValueError, match="precede"):
         AttentionMetadata.build([1, 5], [1, 5], [[0], [1]], 16)
+
+
+def test_vector_inner_loops_where_the_cpu_has_them():
+    """On a CPU with AVX-512 (and its bfloat16 dot products) the kernel must use them, so that
+    the tests above exercise the loops that run in production, not only the plain-C ones."""
+    if not cpu_kernel.available():
+        pytest.skip("no C compiler: the CPU decode kernel is not built")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    paths = cpu_kernel.vector_paths()
+    assert paths["float32"] == ("avx512f" in flags)
+    assert paths["bfloat16"] == ("avx512f" in flags and "avx512_bf16" in flags)
+    assert _PORTABLE_KERNEL.load() is None or not _PORTABLE_KERNEL.load().paged_decode_features()
