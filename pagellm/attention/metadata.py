@@ -21,37 +21,37 @@ import torch
 class PrefillMetadata:
     """The prefill group: sequences [0, num_prefills) and tokens [0, num_prefill_tokens).
 
-    Queries are scattered into a padded [num_prefills, max_query_len] grid; ``padded_index[i]``
-    is the grid cell of packed token i. Padding cells get position 0 so that their mask row is
-    never empty (an all-masked softmax row would be NaN); their output is discarded.
+    Prefill attention runs sequence by sequence (a step holds a few dozen prompts at most), so
+    the group keeps each sequence's query and context lengths as Python ints.
     """
 
     block_tables: torch.Tensor  # [num_prefills, max_num_blocks] int64
     seq_lens: torch.Tensor  # [num_prefills] int64
-    query_positions: torch.Tensor  # [num_prefills, max_query_len] int64, padding -> 0
-    padded_index: torch.Tensor  # [num_prefill_tokens] int64
+    query_lens: list[int]  # tokens each sequence computes this step
+    context_lens: list[int]  # tokens already in the cache before this step
     max_query_len: int
     max_seq_len: int
     block_size: int
-    only_new_tokens: bool = False  # one prefill, no cached context: keys = the step's tokens
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, sliding_window: int | None = None) -> torch.Tensor:
-        """[num_prefills, 1, max_query_len, max_num_blocks * block_size] bool, True = attend.
+    def mask(self, index: int, sliding_window: int | None = None) -> torch.Tensor | None:
+        """[query_len, context_len + query_len] bool (True = attend) for sequence ``index``, or
+        None when plain causal attention over the step's own keys is the same thing.
 
-        Key position j is visible to a query at position p iff j <= p (causal: this also keeps
-        keys inside the sequence) and, with a sliding window w, j > p - w (as in transformers).
-        """
-        cached = self._masks.get(sliding_window)
+        Key position j is visible to a query at position p iff j <= p and, with a sliding
+        window w, j > p - w (as in transformers). Built once per step and window."""
+        context, query = self.context_lens[index], self.query_lens[index]
+        if context == 0 and (sliding_window is None or sliding_window >= query):
+            return None
+        cached = self._masks.get((index, sliding_window))
         if cached is None:
-            num_keys = self.block_tables.shape[1] * self.block_size
-            key_pos = torch.arange(num_keys, device=self.seq_lens.device)  # [num_keys]
-            query_pos = self.query_positions[:, :, None]  # [P, max_query_len, 1]
+            device = self.seq_lens.device
+            query_pos = torch.arange(context, context + query, device=device)[:, None]
+            key_pos = torch.arange(context + query, device=device)
             cached = key_pos <= query_pos
             if sliding_window is not None:
                 cached &= key_pos > query_pos - sliding_window
-            cached = cached[:, None]
-            self._masks[sliding_window] = cached
+            self._masks[(index, sliding_window)] = cached
         return cached
 
 
@@ -149,7 +149,7 @@ class AttentionMetadata:
         num_prefill_tokens = int(query_start_loc[num_prefills])
         prefill = decode = None
         if num_prefills:
-            prefill = _build_prefill(query_lens_t[:num_prefills], seq_lens_t[:num_prefills],
+            prefill = _build_prefill(query_lens[:num_prefills], seq_lens[:num_prefills],
                                      table[:num_prefills], block_size, device)
         if num_prefills < len(query_lens):
             decode_blocks = max(num_blocks[num_prefills:])
@@ -188,17 +188,11 @@ def _count_prefills(query_lens: list[int]) -> int:
     return num_prefills
 
 
-def _build_prefill(query_lens: torch.Tensor, seq_lens: torch.Tensor, table: torch.Tensor,
+def _build_prefill(query_lens: list[int], seq_lens: list[int], table: torch.Tensor,
                    block_size: int, device: torch.device | str) -> PrefillMetadata:
-    num_prefills, max_query_len = len(query_lens), int(query_lens.max())
-    offsets = torch.arange(max_query_len)  # [max_query_len]
-    valid = offsets < query_lens[:, None]  # [P, max_query_len]
-    context_lens = (seq_lens - query_lens)[:, None]
-    query_positions = torch.where(valid, context_lens + offsets, 0)
-    padded_index = torch.nonzero(valid.flatten()).flatten()  # row-major = packed token order
+    max_seq_len = max(seq_lens)
     return PrefillMetadata(
-        block_tables=table[:, :-(-int(seq_lens.max()) // block_size)].to(device),
-        seq_lens=seq_lens.to(device),
-        query_positions=query_positions.to(device), padded_index=padded_index.to(device),
-        max_query_len=max_query_len, max_seq_len=int(seq_lens.max()), block_size=block_size,
-        only_new_tokens=num_prefills == 1 and bool(seq_lens[0] == query_lens[0]))
+        block_tables=table[:, :-(-max_seq_len // block_size)].to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device),
+        query_lens=list(query_lens), context_lens=[s - q for s, q in zip(seq_lens, query_lens)],
+        max_query_len=max(query_lens), max_seq_len=max_seq_len, block_size=block_size)
