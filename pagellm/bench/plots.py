@@ -85,7 +85,9 @@ def plot_throughput_bars(systems: Mapping[str, Mapping[str, Any]], path: str | P
         ax.annotate(f"{bar.get_height():.0f}\nwaste {100 * systems[name]['kv_waste_ratio']:.0f}%",
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                     va="bottom", fontsize=8)
-    ax.set_xticks(range(len(names)), [_label(n).replace(", ", ",\n") for n in names], fontsize=8)
+    ticks = [_label(n).replace(", ", ",\n").replace("transformers ", "transformers\n")
+             for n in names]
+    ax.set_xticks(range(len(names)), ticks, fontsize=8)
     ax.set_ylabel("useful output tokens/s")
     ax.set_ylim(0, max(values) * 1.3 if values else 1)
     ax.set_title("Throughput on the same KV memory budget")
