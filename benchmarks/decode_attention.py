@@ -6,8 +6,8 @@
 
 Workload (seed 0): the attention of the ~125M "small" Llama (12 query heads over 4 KV heads,
 head_dim 64), block size 16, ``--num-seqs`` decodes at ``--context`` tokens each, for 12
-layers with a K/V cache of their own each (so every step reads the whole context from memory,
-as a model step does), block tables made of shuffled physical blocks. Reports the median time
+layers with a K/V cache of their own each, allocated as the engine allocates its cache (so
+every step reads the whole context from memory, as a model step does), block tables made of shuffled physical blocks. Reports the median time
 of the 12 layers' decode attention (the step's K/V already in the cache), the K/V bytes read
 and the rate, and the largest difference from the pure-torch path. ``--hot`` makes every table
 point into the same 32 blocks, so K/V stay in the CPU caches: what the kernel costs when memory
@@ -25,6 +25,7 @@ import torch
 
 from pagellm.attention import AttentionMetadata, cpu_kernel
 from pagellm.attention.torch_backend import _decode, decode_attention
+from pagellm.worker.cache_engine import _allocate_zeroed
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE = 12, 4, 64, 12, 16
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -42,8 +43,12 @@ def measure(num_seqs: int, context: int, dtype: torch.dtype, hot: bool, iters: i
     decode = AttentionMetadata.build([1] * num_seqs, [context] * num_seqs, tables,
                                      BLOCK_SIZE).decode
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen)
-               .to(dtype)) for _ in range(NUM_LAYERS)]
+
+    def cache() -> torch.Tensor:  # allocated as the engine's cache is (2 MiB pages on Linux)
+        return _allocate_zeroed(shape, dtype, torch.device("cpu")).copy_(
+            torch.randn(shape, generator=gen))
+
+    caches = [(cache(), cache()) for _ in range(NUM_LAYERS)]
     query = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
     scale = HEAD_DIM ** -0.5
     out = _decode(query, *caches[0], decode, scale, None)
