@@ -4,11 +4,13 @@ A step computes, for each scheduled sequence, ``query_len`` new tokens at positi
 ``context_len .. seq_len - 1`` (``seq_len = context_len + query_len``). The tokens of the step are
 packed in one flat batch, sequence after sequence; sequences with ``query_len > 1`` ("prefills":
 whole prompts, prompt chunks, prompts after a prefix-cache hit) come first, single-token
-sequences ("decodes") after them. Attention treats the two groups differently: prefills need a
-causal mask over a padded [query, key] grid, decodes only a key-length mask.
+sequences ("decodes") after them. Attention treats the two groups differently: each prefill
+attends causally over its own context (a mask only when it has cached tokens or a sliding
+window cuts in), decodes need only a key-length mask.
 
 Every tensor here is built from Python lists in a handful of vectorised ops, once per step;
-the masks are built lazily on first use (per sliding window) and reused by every layer.
+the masks are built lazily on first use (per sequence or per sliding window) and reused by
+every layer.
 """
 from __future__ import annotations
 
