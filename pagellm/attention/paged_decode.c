@@ -1,0 +1,463 @@
+/* Paged decode attention on the CPU: one query token per sequence, K/V read in place through
+   the block tables, without a gathered copy of the context.
+
+   With G query heads per KV head, for each sequence and query head g:
+     pass 1:  score[j] = (q_g . k_j) * scale
+     softmax: p[j] = exp(score[j] - max), 1 / sum   (float32)
+     pass 2:  out_g = (sum_j round(p[j]) v_j) / sum
+   where round() is to the cache dtype: with bfloat16 the weights are rounded before the
+   weighted sum, as torch's flash attention does, so that greedy tokens follow transformers'
+   bfloat16 runs closely (tests/model/test_bfloat16.py). j runs over [len - window, len) under
+   a sliding window, else [0, len).
+
+   Memory order: decode attention is bound by reading K/V, so the passes walk the batch's
+   (sequence, logical block) pairs sorted by physical block, each thread one contiguous range
+   of them: every thread streams the cache in ascending addresses, whatever the block tables
+   look like, and prefetches (into L2) the block two pairs ahead for where the batch's blocks
+   leave gaps. A sequence's blocks may fall to several threads: scores land in disjoint
+   places of its row, and pass 2 accumulates into one partial sum per thread, added up at the
+   end. Barriers separate pass 1, the softmax (by rows), pass 2 and the final sum.
+
+   Inner loops, chosen at compile time:
+   - AVX-512 (head_dim a multiple of 32, at most 256): 16 keys' dot products at a time,
+     reduced together by a transposing add tree (one horizontal sum per key costs more than
+     the dot product); bfloat16 uses the CPU's bfloat16 dot-product instruction where it has
+     one (AVX512-BF16: products exact, sums in float32), two keys per instruction in pass 2;
+   - portable C otherwise (any head_dim; -DPAGELLM_PORTABLE forces it, so tests cover both).
+   head_dim 64 and 128 and group sizes 1, 2, 3, 4 and 8 are compiled with constant trip
+   counts; other shapes take a generic instance. */
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX512F__) && !defined(PAGELLM_PORTABLE)
+#include <immintrin.h>
+#define USE_AVX512 1
+#if defined(__AVX512BF16__)
+#define USE_AVX512_BF16 1
+#endif
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+typedef uint16_t bf16_t;
+
+INLINE float load_f32(float x) { return x; }
+INLINE float store_f32(float x) { return x; }
+INLINE float load_bf16(bf16_t x) {
+  union { uint32_t u; float f; } c;
+  c.u = (uint32_t)x << 16;
+  return c.f;
+}
+INLINE bf16_t store_bf16(float x) { /* round to nearest even, as torch does */
+  union { uint32_t u; float f; } c;
+  c.f = x;
+  if ((c.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((c.u >> 16) | 0x40u); /* NaN */
+  c.u += 0x7fffu + ((c.u >> 16) & 1u);
+  return (bf16_t)(c.u >> 16);
+}
+
+/* exp(x) for x <= 0: 2^(x log2 e) as an integer power of two times a degree-6 polynomial on
+   [0, 1); relative error < 2e-7. Plain arithmetic, so that the softmax loop vectorises. */
+INLINE float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.4426950408889634f;
+  const float fi = __builtin_floorf(t);
+  const float f = t - fi;
+  const float p = 1.0f + f * (0.69314718f + f * (0.24022652f + f * (0.05550411f
+                  + f * (0.00961813f + f * (0.00133336f + f * 0.00015404f)))));
+  union { uint32_t u; float f; } c;
+  c.u = (uint32_t)((int32_t)fi + 127) << 23;
+  return p * c.f;
+}
+
+typedef struct {
+  const void* q;             /* [num_seqs, num_heads, head_dim] */
+  const void* k_cache;       /* [num_blocks, block_size, num_kv_heads, head_dim] */
+  const void* v_cache;
+  void* out;                 /* [num_seqs, num_heads, head_dim] */
+  const int64_t* pair_seq;   /* [num_pairs], pairs sorted by physical block */
+  const int64_t* pair_block; /* [num_pairs] logical block index within its sequence */
+  const int64_t* pair_phys;  /* [num_pairs] physical block id */
+  const int64_t* seq_lens;   /* [num_seqs] */
+  float* workspace;          /* workspace_floats() */
+  int64_t num_pairs, num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_seq_len;
+  int64_t window;            /* sliding window, 0 = none */
+  int64_t num_threads;       /* at most this many threads (one partial sum each) */
+  float scale;
+} decode_args;
+
+/* Workspace: per (sequence, query head) row, scores [max_seq_len] float32 (by position), the
+   rounded bfloat16 weights [max_seq_len] and 1 / softmax sum; then num_threads partial
+   output sums [num_seqs * num_heads, head_dim] float32. */
+INLINE int64_t row_floats(const decode_args* a) {
+  return a->max_seq_len + (a->max_seq_len + 1) / 2 + 1;
+}
+INLINE float* partial_sum(const decode_args* a, int64_t t, int64_t row) {
+  const int64_t rows = a->num_seqs * a->num_heads;
+  return a->workspace + rows * row_floats(a) + (t * rows + row) * a->head_dim;
+}
+
+/* ---- portable inner loops ------------------------------------------------------------- */
+
+/* out[i] = scale * (q . k_i) for the n rows k_i = k + i * ks. */
+#define DEFINE_PORTABLE_SCORE(NAME, T, LOAD)                                                 \
+INLINE void NAME(const T* restrict q, const T* restrict k, int64_t ks, int64_t n,            \
+                 float scale, float* restrict out, const int64_t D) {                         \
+  for (int64_t i = 0; i < n; i++) {                                                          \
+    const T* restrict kr = k + i * ks;                                                       \
+    float dot = 0.0f;                                                                        \
+    for (int64_t d = 0; d < D; d++) dot += LOAD(q[d]) * LOAD(kr[d]);                         \
+    out[i] = dot * scale;                                                                    \
+  }                                                                                          \
+}
+
+/* acc_g += sum_i w_g[i] v_i for g < G, the n rows v_i = v + i * vs; w_g = w + g * ws and
+   acc_g = acc + g * D. */
+#define DEFINE_PORTABLE_VALUE(NAME, T, W, LOAD, LOADW)                                       \
+INLINE void NAME(const W* w, int64_t ws, const T* restrict v, int64_t vs, int64_t n,         \
+                 float* restrict acc, const int64_t D, const int64_t G) {                    \
+  for (int64_t i = 0; i < n; i++) {                                                          \
+    const T* restrict vr = v + i * vs;                                                       \
+    for (int64_t g = 0; g < G; g++) {                                                        \
+      const float wg = LOADW(w[g * ws + i]);                                                 \
+      for (int64_t d = 0; d < D; d++) acc[g * D + d] += wg * LOAD(vr[d]);                    \
+    }                                                                                        \
+  }                                                                                          \
+}
+
+DEFINE_PORTABLE_SCORE(score_f32_portable, float, load_f32)
+DEFINE_PORTABLE_SCORE(score_bf16_portable, bf16_t, load_bf16)
+DEFINE_PORTABLE_VALUE(value_f32_portable, float, float, load_f32, load_f32)
+DEFINE_PORTABLE_VALUE(value_bf16_portable, bf16_t, bf16_t, load_bf16, load_bf16)
+
+/* ---- AVX-512 inner loops ------------------------------------------------------------- */
+#ifdef USE_AVX512
+/* r[i] = horizontal sum of x[i], for 16 vectors at once: 45 instructions instead of 16
+   separate reductions of about 9 each. */
+INLINE __m512 sum16(const __m512* x) {
+  __m512 two[8], four[4], eight[2];
+  for (int i = 0; i < 8; i++)  /* lane-wise: (x0+x2, y0+y2, x1+x3, y1+y3) */
+    two[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
+                           _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+  for (int i = 0; i < 4; i++) { /* lane-wise sums of four vectors */
+    const __m512d a = _mm512_castps_pd(two[2 * i]), b = _mm512_castps_pd(two[2 * i + 1]);
+    four[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                            _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; i++)  /* fold 128-bit lanes 0+1 and 2+3 */
+    eight[i] = _mm512_add_ps(_mm512_shuffle_f32x4(four[2 * i], four[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(four[2 * i], four[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(eight[0], eight[1], 0x88),
+                       _mm512_shuffle_f32x4(eight[0], eight[1], 0xdd));
+}
+
+/* The dot-product skeleton shared by both dtypes: DOT(q registers, row) -> 16 partial sums. */
+#define DEFINE_AVX512_SCORE(NAME, T, QREG, QLOAD, DOT)                                       \
+INLINE void NAME(const T* restrict q, const T* restrict k, int64_t ks, int64_t n,            \
+                 float scale, float* restrict out, const int64_t D) {                         \
+  QREG qv[16];                                                                               \
+  for (int64_t c = 0; c < D / (64 / (int64_t)sizeof(T)); c++) qv[c] = QLOAD(q, c);           \
+  const __m512 sv = _mm512_set1_ps(scale);                                                   \
+  int64_t i = 0;                                                                             \
+  for (; i + 16 <= n; i += 16) {                                                             \
+    __m512 dots[16];                                                                         \
+    _Pragma("GCC unroll 16")                                                                 \
+    for (int u = 0; u < 16; u++) dots[u] = DOT(qv, k + (i + u) * ks, D);                     \
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(sum16(dots), sv));                               \
+  }                                                                                          \
+  for (; i < n; i++) out[i] = _mm512_reduce_add_ps(DOT(qv, k + i * ks, D)) * scale;          \
+}
+
+/* The weighted-sum skeleton: 32 dimensions at a time, so that the 2 x (up to 8) accumulators
+   of a group of query heads stay in registers. STEP(rows i.., dims dc..) updates a0, a1. */
+#define DEFINE_AVX512_VALUE(NAME, T, W, STEP, KEYS)                                          \
+INLINE void NAME(const W* w, int64_t ws, const T* restrict v, int64_t vs, int64_t n,         \
+                 float* restrict acc, const int64_t D, const int64_t G) {                    \
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {                                                    \
+    const int64_t gn = G - g0 < 8 ? G - g0 : 8;                                              \
+    for (int64_t dc = 0; dc < D; dc += 32) {                                                 \
+      __m512 a0[8], a1[8];                                                                   \
+      for (int64_t g = 0; g < gn; g++) {                                                     \
+        a0[g] = _mm512_loadu_ps(acc + (g0 + g) * D + dc);                                    \
+        a1[g] = _mm512_loadu_ps(acc + (g0 + g) * D + dc + 16);                               \
+      }                                                                                      \
+      for (int64_t i = 0; i < n; i += KEYS)                                                  \
+        STEP(w + g0 * ws, ws, v + i * vs + dc, vs, i, n, a0, a1, gn);                         \
+      for (int64_t g = 0; g < gn; g++) {                                                     \
+        _mm512_storeu_ps(acc + (g0 + g) * D + dc, a0[g]);                                    \
+        _mm512_storeu_ps(acc + (g0 + g) * D + dc + 16, a1[g]);                               \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+}
+
+INLINE __m512 qload_f32(const float* q, int64_t c) { return _mm512_loadu_ps(q + 16 * c); }
+INLINE __m512 dot_f32(const __m512* qv, const float* k, const int64_t D) {
+  __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+  for (int64_t c = 1; c < D / 16; c++) x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), x);
+  return x;
+}
+/* One key: a += w_g[i] * v_i[dc .. dc + 32). */
+INLINE void step_f32(const float* w, int64_t ws, const float* v, int64_t vs, int64_t i,
+                     int64_t n, __m512* a0, __m512* a1, const int64_t gn) {
+  (void)vs; (void)n;
+  const __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
+  for (int64_t g = 0; g < gn; g++) {
+    const __m512 wg = _mm512_set1_ps(w[g * ws + i]);
+    a0[g] = _mm512_fmadd_ps(wg, x0, a0[g]);
+    a1[g] = _mm512_fmadd_ps(wg, x1, a1[g]);
+  }
+}
+DEFINE_AVX512_SCORE(score_f32_avx512, float, __m512, qload_f32, dot_f32)
+DEFINE_AVX512_VALUE(value_f32_avx512, float, float, step_f32, 1)
+#endif
+
+#ifdef USE_AVX512_BF16
+INLINE __m512bh qload_bf16(const bf16_t* q, int64_t c) {
+  return (__m512bh)_mm512_loadu_si512(q + 32 * c);
+}
+INLINE __m512 dot_bf16(const __m512bh* qv, const bf16_t* k, const int64_t D) {
+  __m512 x = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D / 32; c++)
+    x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+  return x;
+}
+/* Keys i and i + 1 in one instruction: their rows interleaved element by element against
+   (w_g[i], w_g[i + 1]) broadcast as a pair. */
+INLINE void step_bf16(const bf16_t* w, int64_t ws, const bf16_t* v, int64_t vs, int64_t i,
+                      int64_t n, __m512* a0, __m512* a1, const int64_t gn) {
+  const __m512i lo_index = _mm512_set_epi16(
+      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_index = _mm512_add_epi16(lo_index, _mm512_set1_epi16(16));
+  const int pair = i + 1 < n;
+  const __m512i x = _mm512_loadu_si512(v);
+  const __m512i y = pair ? _mm512_loadu_si512(v + vs) : _mm512_setzero_si512();
+  const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(x, lo_index, y);
+  const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(x, hi_index, y);
+  for (int64_t g = 0; g < gn; g++) {
+    uint32_t both; /* (w_g[i], w_g[i + 1]) as one little-endian word */
+    memcpy(&both, w + g * ws + i, sizeof both);
+    const __m512bh wg = (__m512bh)_mm512_set1_epi32((int32_t)(pair ? both : both & 0xffffu));
+    a0[g] = _mm512_dpbf16_ps(a0[g], wg, lo);
+    a1[g] = _mm512_dpbf16_ps(a1[g], wg, hi);
+  }
+}
+DEFINE_AVX512_SCORE(score_bf16_avx512, bf16_t, __m512bh, qload_bf16, dot_bf16)
+DEFINE_AVX512_VALUE(value_bf16_avx512, bf16_t, bf16_t, step_bf16, 2)
+#endif
+
+/* Softmax numerators of scores [start, len) in place; returns 1 / sum. */
+#ifdef USE_AVX512
+/* exp(x), 16 at a time, with the range reduction and degree-5 polynomial of torch's
+   vectorised exp_u20 (what its CPU flash attention, hence transformers' sdpa, uses):
+   x = n ln2 + r with n = floor(x log2e + 1/2), exp(r) by the polynomial, times 2^n. With the
+   same approximation the rounded bfloat16 weights follow torch's more often: greedy agreement
+   with transformers in tests/model/test_bfloat16.py 90.6%, against 89.3% with the more
+   accurate scalar polynomial below. */
+INLINE __m512 exp512_nonpositive(__m512 x) {
+  const __m512 low = _mm512_set1_ps(-87.3365448f); /* ln(FLT_MIN) */
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, low, _CMP_LT_OS);
+  x = _mm512_max_ps(x, low);
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269502f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147182f), x);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps((__mmask16)~underflow, p, n);
+}
+INLINE __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1); }
+INLINE float softmax_row(float* restrict sc, int64_t start, int64_t len) {
+  __m512 mx = _mm512_set1_ps(-__builtin_inff());
+  for (int64_t j = start; j < len; j += 16)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(len - j), sc + j));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = start; j < len; j += 16) {
+    const __mmask16 k = tail_mask(len - j);
+    const __m512 e = exp512_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), m));
+    _mm512_mask_storeu_ps(sc + j, k, e);
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+#else
+INLINE float softmax_row(float* restrict sc, int64_t start, int64_t len) {
+  float mx = sc[start];
+  for (int64_t j = start + 1; j < len; j++) mx = sc[j] > mx ? sc[j] : mx;
+  float sum = 0.0f;
+  for (int64_t j = start; j < len; j++) {
+    const float e = exp_nonpositive(sc[j] - mx);
+    sc[j] = e;
+    sum += e;
+  }
+  return 1.0f / sum;
+}
+#endif
+
+INLINE void round_weights(const float* restrict sc, bf16_t* restrict w, int64_t start,
+                          int64_t len) {
+  int64_t j = start;
+#ifdef USE_AVX512_BF16
+  for (; j + 16 <= len; j += 16)
+    _mm256_storeu_si256((__m256i*)(w + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sc + j)));
+#endif
+  for (; j < len; j++) w[j] = store_bf16(sc[j]);
+}
+
+/* ---- the kernel ------------------------------------------------------------------------ */
+
+/* Software prefetch into L2 (prefetcht2: prefetcht0 stalls on the L1 fill buffers) of the
+   block PREFETCH_AHEAD pairs ahead; called once per KV head with that head's share, so that
+   the requests spread over the block's work. */
+#define PREFETCH_AHEAD 2
+INLINE void prefetch_share(const char* block, int64_t bytes, int64_t part, int64_t parts) {
+  const int64_t share = bytes / parts;
+  for (int64_t b = 0; b < share; b += 64) __builtin_prefetch(block + part * share + b, 0, 1);
+}
+
+/* Keys [lo, hi) of pair p's block that its sequence attends to, as offsets in the block. */
+INLINE int64_t pair_keys(const decode_args* a, int64_t p, int64_t* lo) {
+  const int64_t bs = a->block_size, len = a->seq_lens[a->pair_seq[p]];
+  const int64_t first = a->pair_block[p] * bs;
+  const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+  *lo = start > first ? start - first : 0;
+  return len - first < bs ? len - first : bs;
+}
+
+/* What one thread of the parallel region does, for one (dtype, inner loops). It is inlined
+   inside each instance's parallel region below, where D and G are literals (OpenMP outlines
+   the region before constants propagate into it). */
+#define DEFINE_KERNEL(NAME, T, W, STORE, SCORE, VALUE, ROUNDED)                              \
+INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
+  const int64_t KVH = a->num_kv_heads, H = a->num_heads, S = a->num_seqs;                    \
+  const int64_t bs = a->block_size, rf = row_floats(a), L = a->max_seq_len;                  \
+  const int64_t block_elems = bs * KVH * D, block_bytes = block_elems * (int64_t)sizeof(T);  \
+  float* rows = a->workspace;                                                                \
+  {                                                                                          \
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
+    const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;              \
+    for (int pass = 0; pass < 2; pass++) {                                                   \
+      const T* cache = (const T*)(pass == 0 ? a->k_cache : a->v_cache);                      \
+      for (int64_t p = pb; p < pe; p++) {                                                    \
+        const char* ahead = p + PREFETCH_AHEAD < pe                                          \
+            ? (const char*)(cache + a->pair_phys[p + PREFETCH_AHEAD] * block_elems) : 0;      \
+        int64_t lo;                                                                          \
+        const int64_t hi = pair_keys(a, p, &lo), s = a->pair_seq[p];                         \
+        const int64_t pos = a->pair_block[p] * bs + lo; /* position of key lo */             \
+        const T* block = cache + a->pair_phys[p] * block_elems + lo * KVH * D;               \
+        for (int64_t h = 0; h < KVH; h++) {                                                  \
+          if (PREFETCH_AHEAD && ahead) prefetch_share(ahead, block_bytes, h, KVH);                             \
+          if (lo >= hi) continue;                                                            \
+          float* row = rows + (s * H + h * G) * rf; /* query head h * G, then G - 1 more */  \
+          if (pass == 0) {                                                                   \
+            for (int64_t g = 0; g < G; g++)                                                  \
+              SCORE((const T*)a->q + (s * H + h * G + g) * D, block + h * D, KVH * D,        \
+                    hi - lo, a->scale, row + g * rf + pos, D);                               \
+          } else {                                                                           \
+            const W* w = ROUNDED ? (const W*)(row + L) : (const W*)row;                      \
+            VALUE(w + pos, ROUNDED ? 2 * rf : rf, block + h * D, KVH * D, hi - lo,           \
+                  partial_sum(a, t, s * H + h * G), D, G);                                   \
+          }                                                                                  \
+        }                                                                                    \
+      }                                                                                      \
+      if (pass == 0) { /* softmax of every row; partial sums zeroed */                       \
+        _Pragma("omp barrier")                                                               \
+        _Pragma("omp for schedule(static)")                                                  \
+        for (int64_t r = 0; r < S * H; r++) {                                                \
+          const int64_t len = a->seq_lens[r / H];                                            \
+          const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;      \
+          float* row = rows + r * rf;                                                        \
+          row[rf - 1] = softmax_row(row, start, len);                                        \
+          if (ROUNDED) round_weights(row, (bf16_t*)(row + L), start, len);                   \
+          for (int64_t u = 0; u < nt; u++) memset(partial_sum(a, u, r), 0, D * sizeof(float)); \
+        }                                                                                    \
+      }                                                                                      \
+    }                                                                                        \
+    _Pragma("omp barrier")                                                                   \
+    _Pragma("omp for schedule(static)")                                                      \
+    for (int64_t r = 0; r < S * H; r++) {                                                    \
+      const float inv_sum = rows[r * rf + rf - 1];                                           \
+      T* o = (T*)a->out + r * D;                                                             \
+      for (int64_t d = 0; d < D; d++) {                                                      \
+        float sum = 0.0f;                                                                    \
+        for (int64_t u = 0; u < nt; u++) sum += partial_sum(a, u, r)[d];                     \
+        o[d] = STORE(sum * inv_sum);                                                         \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+}
+
+DEFINE_KERNEL(kernel_f32_portable, float, float, store_f32, score_f32_portable,
+              value_f32_portable, 0)
+DEFINE_KERNEL(kernel_bf16_portable, bf16_t, bf16_t, store_bf16, score_bf16_portable,
+              value_bf16_portable, 1)
+#ifdef USE_AVX512
+DEFINE_KERNEL(kernel_f32_avx512, float, float, store_f32, score_f32_avx512, value_f32_avx512, 0)
+#endif
+#ifdef USE_AVX512_BF16
+DEFINE_KERNEL(kernel_bf16_avx512, bf16_t, bf16_t, store_bf16, score_bf16_avx512,
+              value_bf16_avx512, 1)
+#endif
+
+/* Instances with literal head_dim (64, 128) and group size (1, 2, 3, 4, 8), so that inner
+   trip counts are compile-time constants, and a generic one. */
+#define PARALLEL(KERNEL, D, G)                                                               \
+  { _Pragma("omp parallel num_threads(a->num_threads)") KERNEL(a, D, G); return; }
+#define GROUPS(KERNEL, D)                                                                    \
+  switch (a->num_heads / a->num_kv_heads) {                                                  \
+    case 1: PARALLEL(KERNEL, D, 1)                                                           \
+    case 2: PARALLEL(KERNEL, D, 2)                                                           \
+    case 3: PARALLEL(KERNEL, D, 3)                                                           \
+    case 4: PARALLEL(KERNEL, D, 4)                                                           \
+    case 8: PARALLEL(KERNEL, D, 8)                                                           \
+    default: PARALLEL(KERNEL, D, a->num_heads / a->num_kv_heads)                             \
+  }
+#define DISPATCH(NAME, KERNEL)                                                               \
+static void NAME(const decode_args* a) {                                                     \
+  if (a->head_dim == 64) GROUPS(KERNEL, 64)                                                  \
+  if (a->head_dim == 128) GROUPS(KERNEL, 128)                                                \
+  GROUPS(KERNEL, a->head_dim)                                                                \
+}
+DISPATCH(run_f32_portable, kernel_f32_portable)
+DISPATCH(run_bf16_portable, kernel_bf16_portable)
+#ifdef USE_AVX512
+DISPATCH(run_f32_avx512, kernel_f32_avx512)
+#endif
+#ifdef USE_AVX512_BF16
+DISPATCH(run_bf16_avx512, kernel_bf16_avx512)
+#endif
+
+INLINE int vector_shape(const decode_args* a) {
+  return a->head_dim % 32 == 0 && a->head_dim <= 256;
+}
+
+void paged_decode_attention_f32(const decode_args* a) {
+#ifdef USE_AVX512
+  if (vector_shape(a)) { run_f32_avx512(a); return; }
+#endif
+  run_f32_portable(a);
+}
+
+void paged_decode_attention_bf16(const decode_args* a) {
+#ifdef USE_AVX512_BF16
+  if (vector_shape(a)) { run_bf16_avx512(a); return; }
+#endif
+  run_bf16_portable(a);
+}
+
+/* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16. */
+int paged_decode_features(void) {
+  int f = 0;
+#ifdef USE_AVX512
+  f |= 1;
+#endif
+#ifdef USE_AVX512_BF16
+  f |= 2;
+#endif
+  return f;
+}
