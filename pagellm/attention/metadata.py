@@ -28,11 +28,9 @@ class PrefillMetadata:
     """
 
     block_tables: torch.Tensor  # [num_prefills, max_num_blocks] int64
-    seq_lens: torch.Tensor  # [num_prefills] int64
     query_lens: list[int]  # tokens each sequence computes this step
     context_lens: list[int]  # tokens already in the cache before this step
     max_query_len: int
-    max_seq_len: int
     block_size: int
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
@@ -47,7 +45,7 @@ class PrefillMetadata:
             return None
         cached = self._masks.get((index, sliding_window))
         if cached is None:
-            device = self.seq_lens.device
+            device = self.block_tables.device
             query_pos = torch.arange(context, context + query, device=device)[:, None]
             key_pos = torch.arange(context + query, device=device)
             cached = key_pos <= query_pos
@@ -192,9 +190,7 @@ def _count_prefills(query_lens: list[int]) -> int:
 
 def _build_prefill(query_lens: list[int], seq_lens: list[int], table: torch.Tensor,
                    block_size: int, device: torch.device | str) -> PrefillMetadata:
-    max_seq_len = max(seq_lens)
     return PrefillMetadata(
-        block_tables=table[:, :-(-max_seq_len // block_size)].to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device),
+        block_tables=table[:, :-(-max(seq_lens) // block_size)].to(device),
         query_lens=list(query_lens), context_lens=[s - q for s, q in zip(seq_lens, query_lens)],
-        max_query_len=max(query_lens), max_seq_len=max_seq_len, block_size=block_size)
+        max_query_len=max(query_lens), block_size=block_size)
