@@ -154,7 +154,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         library = Path(tmp) / "paged_decode.so"
-        subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(library)], check=True,
+        subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(library), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(library, target)  # atomic: concurrent builders never see a partial file
 
