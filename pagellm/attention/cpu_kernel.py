@@ -39,11 +39,11 @@ _SOURCE = Path(__file__).with_name("paged_decode.c")  # the kernel's C source
 
 class _DecodeArgs(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_void_p) for name in (
-        "q", "k_cache", "v_cache", "out", "pair_seq", "pair_block", "pair_phys", "seq_lens",
-        "workspace")]
+        "q", "k_cache", "v_cache", "out", "new_k", "new_v", "new_slots", "pair_seq",
+        "pair_block", "pair_phys", "seq_lens", "workspace")]
         + [(name, ctypes.c_int64) for name in (
             "num_pairs", "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size",
-            "max_seq_len", "window", "num_threads")]
+            "max_seq_len", "window", "num_threads", "new_stride")]
         + [("scale", ctypes.c_float)])
 
 
@@ -95,11 +95,16 @@ def vector_paths() -> dict[str, bool]:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                            seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None,
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """query [num_seqs, num_heads, D] (one token each) -> output of the same shape.
 
     ``pairs`` = (sequence, logical block, physical block) of every block the batch reads,
-    sorted by physical block (DecodeMetadata.block_pairs). Caller guarantees supports(query).
+    sorted by physical block (DecodeMetadata.block_pairs). ``new_kv`` = (key, value
+    [num_seqs, num_kv_heads, D], slots [num_seqs], -1 = not written): the step's K/V, stored by
+    the kernel before it attends; without it they must be in the cache already. Caller
+    guarantees supports(query).
     """
     library = _KERNEL.load()
     num_seqs, num_heads, head_dim = query.shape
@@ -109,6 +114,16 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         raise ValueError("paged_decode_attention needs contiguous caches of the query dtype")
     query = query.contiguous()
     out = torch.empty_like(query)
+    new_k = new_v = new_slots = None
+    new_stride = 0
+    if new_kv is not None:
+        new_k, new_v, new_slots = _rows(new_kv[0]), _rows(new_kv[1]), new_kv[2].contiguous()
+        if new_k.stride(0) != new_v.stride(0):  # the kernel takes one stride for both
+            new_k, new_v = new_k.contiguous(), new_v.contiguous()
+        if not new_k.dtype == new_v.dtype == k_cache.dtype or new_slots.dtype != torch.int64:
+            raise ValueError("paged_decode_attention: new K/V must be of the cache dtype, "
+                             "slots int64")
+        new_stride = new_k.stride(0)
     pair_seq, pair_block, pair_phys = pairs
     threads = torch.get_num_threads()
     rows = num_seqs * num_heads  # the C side's row_floats(), then one partial sum per thread
@@ -116,11 +131,22 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                         + threads * head_dim))
     args = _DecodeArgs(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        pair_seq.data_ptr(), pair_block.data_ptr(), pair_phys.data_ptr(), seq_lens.data_ptr(),
-        workspace.data_ptr(), len(pair_seq), num_seqs, num_heads, num_kv_heads, head_dim,
-        block_size, max_seq_len, sliding_window or 0, threads, scale)
+        _pointer(new_k), _pointer(new_v), _pointer(new_slots), pair_seq.data_ptr(),
+        pair_block.data_ptr(), pair_phys.data_ptr(), seq_lens.data_ptr(), workspace.data_ptr(),
+        len(pair_seq), num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_seq_len,
+        sliding_window or 0, threads, new_stride, scale)
     getattr(library, "paged_decode_attention_" + _SUFFIX[query.dtype])(ctypes.byref(args))
     return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[num_seqs, num_kv_heads, D] with each token's row contiguous (the projections' views
+    already are); only the stride between tokens may be anything."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def _pointer(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
 
 
 def _build_and_load(portable: bool) -> ctypes.CDLL | None:

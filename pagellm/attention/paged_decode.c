@@ -80,9 +80,12 @@ INLINE float exp_u20(float x) {
 
 typedef struct {
   const void* q;             /* [num_seqs, num_heads, head_dim] */
-  const void* k_cache;       /* [num_blocks, block_size, num_kv_heads, head_dim] */
-  const void* v_cache;
+  void* k_cache;             /* [num_blocks, block_size, num_kv_heads, head_dim] */
+  void* v_cache;
   void* out;                 /* [num_seqs, num_heads, head_dim] */
+  const void* new_k;         /* the step's K/V rows [num_seqs, num_kv_heads, head_dim], row */
+  const void* new_v;         /* stride new_stride, written to new_slots first; NULL: written */
+  const int64_t* new_slots;  /* [num_seqs] cache slot of each row, -1 = padding, not written */
   const int64_t* pair_seq;   /* [num_pairs], pairs sorted by physical block */
   const int64_t* pair_block; /* [num_pairs] logical block index within its sequence */
   const int64_t* pair_phys;  /* [num_pairs] physical block id */
@@ -91,8 +94,26 @@ typedef struct {
   int64_t num_pairs, num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_seq_len;
   int64_t window;            /* sliding window, 0 = none */
   int64_t num_threads;       /* at most this many threads (one partial sum each) */
+  int64_t new_stride;
   float scale;
 } decode_args;
+
+/* Store the step's K/V rows of sequences [begin, end) in their slots (before attending: a
+   sequence's newest key is part of its context). */
+#define DEFINE_WRITE(NAME, T)                                                                \
+INLINE void NAME(const decode_args* a, int64_t begin, int64_t end, const int64_t D) {        \
+  const int64_t row = a->num_kv_heads * D;                                                   \
+  for (int64_t s = begin; s < end; s++) {                                                    \
+    const int64_t slot = a->new_slots[s];                                                    \
+    if (slot < 0) continue;                                                                  \
+    memcpy((T*)a->k_cache + slot * row, (const T*)a->new_k + s * a->new_stride,              \
+           row * sizeof(T));                                                                 \
+    memcpy((T*)a->v_cache + slot * row, (const T*)a->new_v + s * a->new_stride,              \
+           row * sizeof(T));                                                                 \
+  }                                                                                          \
+}
+DEFINE_WRITE(write_float, float)
+DEFINE_WRITE(write_bf16_t, bf16_t)
 
 /* Workspace: per (sequence, query head) row, scores [max_seq_len] float32 (by position), the
    rounded bfloat16 weights [max_seq_len] and 1 / softmax sum; then num_threads partial
@@ -350,6 +371,10 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
   {                                                                                          \
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
     const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;              \
+    if (a->new_slots) {                                                                      \
+      write_##T(a, S * t / nt, S * (t + 1) / nt, D);                                         \
+      _Pragma("omp barrier")                                                                 \
+    }                                                                                        \
     for (int pass = 0; pass < 2; pass++) {                                                   \
       const T* cache = (const T*)(pass == 0 ? a->k_cache : a->v_cache);                      \
       for (int64_t p = pb; p < pe; p++) {                                                    \

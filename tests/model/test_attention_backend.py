@@ -112,25 +112,45 @@ def test_cpu_decode_kernel_shapes(head_dim, num_heads, num_kv_heads, dtype, deco
         torch.testing.assert_close(out.float(), expected.float(), **tolerance)
 
 
-def test_step_kv_lands_in_its_slots_and_nowhere_else():
-    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(MIXED_BATCH, 16,
-                                                                       torch.float32)
-    before = k_cache.clone()
+@pytest.mark.parametrize("which", ["mixed", "decodes"])  # decodes: the kernel writes K/V
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_kv_lands_in_its_slots_and_nowhere_else(which, dtype, decode_path):
+    batch = MIXED_BATCH if which == "mixed" else MIXED_BATCH[4:]
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(batch, 16, dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
     paged_attention(q, k, v, k_cache, v_cache, metadata, 1.0)
-    flat_before, flat_after = before.flatten(0, 1), k_cache.flatten(0, 1)
     slots = metadata.slot_mapping
-    torch.testing.assert_close(flat_after[slots], k)
-    untouched = torch.ones(len(flat_after), dtype=torch.bool)
-    untouched[slots] = False
-    assert torch.equal(flat_after[untouched], flat_before[untouched])
+    for cache, before, new in ((k_cache, k_before, k), (v_cache, v_before, v)):
+        flat_before, flat_after = before.flatten(0, 1), cache.flatten(0, 1)
+        assert torch.equal(flat_after[slots], new)
+        untouched = torch.ones(len(flat_after), dtype=torch.bool)
+        untouched[slots] = False
+        assert torch.equal(flat_after[untouched], flat_before[untouched])
     # slot_mapping agrees with the block tables: position p -> table[p // bs] * bs + p % bs
     expected, i = [], 0
-    for (context, query_len), table in zip(MIXED_BATCH, tables):
+    for (context, query_len), table in zip(batch, tables):
         expected += [table[p // 16] * 16 + p % 16 for p in range(context, context + query_len)]
     assert slots.tolist() == expected
 
 
-def test_padding_slots_are_not_written():
+def test_decode_kv_from_strided_projections(decode_path):
+    """K/V arrive as column slices of one fused qkv projection (rows strided): what the
+    kernel stores and attends over must be the same as for contiguous tensors."""
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(MIXED_BATCH[4:], 16,
+                                                                       torch.float32)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    q_size, kv_size = q[0].numel(), k[0].numel()
+    k_view = fused[:, q_size:q_size + kv_size].view(k.shape)
+    v_view = fused[:, q_size + kv_size:].view(v.shape)
+    out = paged_attention(q, k_view, v_view, k_cache, v_cache, metadata, HEAD_DIM ** -0.5)
+    assert torch.equal(k_cache.flatten(0, 1)[metadata.slot_mapping], k)
+    assert torch.equal(v_cache.flatten(0, 1)[metadata.slot_mapping], v)
+    expected = reference_paged_attention(q, k_cache, v_cache, [1] * len(seq_lens), seq_lens,
+                                         tables, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_padding_slots_are_not_written(decode_path):
     q, k, v, k_cache, v_cache, metadata, _, _ = make_step(MIXED_BATCH[4:], 16, torch.float32)
     slot_mapping = metadata.slot_mapping.clone()
     slot_mapping[1] = -1
