@@ -120,9 +120,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         new_k, new_v, new_slots = _rows(new_kv[0]), _rows(new_kv[1]), new_kv[2].contiguous()
         if new_k.stride(0) != new_v.stride(0):  # the kernel takes one stride for both
             new_k, new_v = new_k.contiguous(), new_v.contiguous()
-        if not new_k.dtype == new_v.dtype == k_cache.dtype or new_slots.dtype != torch.int64:
-            raise ValueError("paged_decode_attention: new K/V must be of the cache dtype, "
-                             "slots int64")
+        shape = (num_seqs, num_kv_heads, head_dim)
+        if not (new_k.shape == new_v.shape == shape and new_slots.shape == (num_seqs,)
+                and new_k.dtype == new_v.dtype == k_cache.dtype
+                and new_slots.dtype == torch.int64):
+            raise ValueError(f"paged_decode_attention: new K/V must be {list(shape)} of the "
+                             f"cache dtype and slots [{num_seqs}] int64")
         new_stride = new_k.stride(0)
     pair_seq, pair_block, pair_phys = pairs
     threads = torch.get_num_threads()
