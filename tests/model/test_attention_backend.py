@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_steps import make_step as make_attention_step
 
 from pagellm.attention import AttentionMetadata, cpu_kernel
 from pagellm.attention.torch_backend import paged_attention, reference_paged_attention
@@ -27,25 +28,9 @@ MIXED_BATCH = [
 ]
 
 
-def make_step(batch, block_size, dtype, seed=0, slack_blocks=5):
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in batch]
-    needed = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(needed) + slack_blocks
-    ids = torch.randperm(num_blocks, generator=gen).tolist()  # scattered physical blocks
-    tables, start = [], 0
-    for n in needed:
-        tables.append(ids[start:start + n] + [ids[-1]])  # one spare entry past the end
-        start += n
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    num_tokens = sum(q for _, q in batch)
-    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    metadata = AttentionMetadata.build([q for _, q in batch], seq_lens, tables, block_size)
-    return q, k, v, k_cache, v_cache, metadata, tables, seq_lens
+def make_step(batch, block_size, dtype):
+    return make_attention_step(batch, block_size, dtype, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                               spare_entry=True)
 
 
 _PORTABLE_KERNEL = cpu_kernel._Kernel(portable=True)

@@ -19,6 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton_backend defines its kernel
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from attention_steps import make_step  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -50,28 +51,6 @@ MIXED_BATCH = [
 # The smallest tiles tl.dot allows: short test sequences still span several query blocks and
 # key tiles, and the sliding window skips whole tiles.
 SMALL_TILES = triton_backend.LaunchConfig(16, 16, 4, 16, 4)
-
-
-def make_step(batch, block_size, dtype, num_heads=6, num_kv_heads=2, head_dim=16, seed=0):
-    """Random caches, block tables over shuffled physical blocks, and the step's q/k/v."""
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in batch]
-    needed = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(needed) + 5
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, start = [], 0
-    for n in needed:
-        tables.append(ids[start:start + n])
-        start += n
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    num_tokens = sum(q for _, q in batch)
-    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
-    metadata = AttentionMetadata.build([q for _, q in batch], seq_lens, tables, block_size)
-    return q, k, v, k_cache, v_cache, metadata, tables, seq_lens
 
 
 def run_and_reference(batch, block_size, dtype, sliding_window=None, **shape):
