@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/model_runner.py                  # float32 and bfloat16
     .venv/bin/python benchmarks/model_runner.py --dtypes bfloat16 --batch-sizes 64 --iters 5
     .venv/bin/python benchmarks/model_runner.py --torch-decode   # without the CPU kernel
+    .venv/bin/python benchmarks/model_runner.py --unpacked       # plain F.linear weights
 
 Workload (fixed seed, random weights std 0.02, nothing downloaded): decode steps of 1, 8, 32,
 64 and 128 sequences, each at 512 tokens of context (511 cached + 1 new), and one 512-token
@@ -15,7 +16,7 @@ For every shape it reports:
   timer around each layer's call;
 - ``matmul_ms``: a lower bound measured in the same run, the model's linear layers
   (q/k/v, o, gate/up, down for every layer, lm_head on the sampled rows) timed alone on the
-  same weights and activation shapes.
+  same weights and activation shapes, through the same (packed or plain) layers.
 Target: attention under 25% of a decode step at 64 sequences x 512 context.
 """
 from __future__ import annotations
@@ -28,7 +29,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig
 
 import pagellm.attention.layer as attention_layer
@@ -43,7 +43,8 @@ SMALL_LLAMA = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12
 BLOCK_SIZE = 16
 
 
-def build_model(dtype: torch.dtype, seed: int = 0) -> tuple[LlamaForCausalLM, LlamaConfig]:
+def build_model(dtype: torch.dtype, seed: int = 0,
+                pack: bool = True) -> tuple[LlamaForCausalLM, LlamaConfig]:
     config = LlamaConfig(**SMALL_LLAMA)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -56,6 +57,8 @@ def build_model(dtype: torch.dtype, seed: int = 0) -> tuple[LlamaForCausalLM, Ll
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.02
                         if param.dim() > 1 else torch.ones(param.shape))
+    if pack:  # as load_model does on the CPU
+        model.pack_weights()
     return model, config
 
 
@@ -113,7 +116,7 @@ def attention_ms(runner: ModelRunner, batch: list[ScheduledSeq], iters: int) -> 
 
 def matmul_ms(model: LlamaForCausalLM, num_tokens: int, num_logits: int, iters: int) -> float:
     """The step's linear layers alone: same weights, same activation shapes."""
-    dtype = model.lm_head.weight.dtype
+    dtype = model.lm_head.weight.dtype  # (an empty tensor of the dtype once packed)
     hidden = torch.randn(num_tokens, SMALL_LLAMA["hidden_size"], dtype=dtype)
     inner = torch.randn(num_tokens, SMALL_LLAMA["intermediate_size"], dtype=dtype)
     rows = hidden[:num_logits]
@@ -121,11 +124,11 @@ def matmul_ms(model: LlamaForCausalLM, num_tokens: int, num_logits: int, iters: 
     def run() -> None:
         with torch.inference_mode():
             for layer in model.model.layers:
-                F.linear(hidden, layer.self_attn.qkv_proj.weight)
-                F.linear(hidden, layer.self_attn.o_proj.weight)
-                F.linear(hidden, layer.mlp.gate_up_proj.weight)
-                F.linear(inner, layer.mlp.down_proj.weight)
-            F.linear(rows, model.lm_head.weight)
+                layer.self_attn.qkv_proj(hidden)
+                layer.self_attn.o_proj(hidden)
+                layer.mlp.gate_up_proj(hidden)
+                layer.mlp.down_proj(inner)
+            model.lm_head(rows)
 
     return median_ms(run, iters)
 
@@ -142,9 +145,9 @@ def measure(runner: ModelRunner, model: LlamaForCausalLM, batch: list[ScheduledS
 
 
 def run(dtype_name: str, batch_sizes: list[int], context: int, prefill: int,
-        iters: int) -> list[dict]:
+        iters: int, pack: bool) -> list[dict]:
     dtype = getattr(torch, dtype_name)
-    model, config = build_model(dtype)
+    model, config = build_model(dtype, pack=pack)
     num_blocks = max(batch_sizes) * -(-context // BLOCK_SIZE) + 64
     cache = CacheEngine(config, num_blocks, 0, BLOCK_SIZE, dtype, "cpu")
     runner = ModelRunner(model, cache, "cpu")
@@ -172,6 +175,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--torch-decode", action="store_true",
                         help="decode attention through the pure-torch path, not the CPU kernel")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="plain F.linear weights, not packed for oneDNN")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.torch_decode:
@@ -179,9 +184,10 @@ def main() -> None:
     results = []
     for dtype_name in args.dtypes.split(","):
         results += run(dtype_name, [int(b) for b in args.batch_sizes.split(",")], args.context,
-                       args.prefill, args.iters)
+                       args.prefill, args.iters, not args.unpacked)
     print(json.dumps({"model": "small Llama (random weights)", **SMALL_LLAMA,
                       "block_size": BLOCK_SIZE, "threads": args.threads,
+                      "packed_weights": not args.unpacked,
                       "decode_attention": "torch" if args.torch_decode or not
                       cpu_kernel.available() else "cpu_kernel",
                       "torch": torch.__version__, "cpu": platform.processor() or

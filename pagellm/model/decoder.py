@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention import Attention, AttentionMetadata, KVCache
-from pagellm.model.layers import Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding
+from pagellm.model.layers import (Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding,
+                                  pack_linear_weights)
 
 
 @dataclass(slots=True, frozen=True)
@@ -161,6 +162,12 @@ class CausalLM(nn.Module):
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> hidden states [T, hidden_size]."""
         return self.model(input_ids, positions, kv_caches, metadata)
+
+    def pack_weights(self) -> int:
+        """After loading, on the CPU: every projection in oneDNN's layout (Linear.pack). A tied
+        lm_head keeps the plain weight, which the embedding reads."""
+        shared = {id(self.lm_head.weight)} if self.tie_word_embeddings else set()
+        return pack_linear_weights(self, shared)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden_size] -> logits [R, vocab_size] in the model dtype."""

@@ -92,8 +92,11 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any,
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu",
-               allow_pickle: bool = False) -> tuple[CausalLM, Any]:
-    """Build the model of the folder's config.json and load its weights: (model, hf_config)."""
+               allow_pickle: bool = False, pack_weights: bool = True) -> tuple[CausalLM, Any]:
+    """Build the model of the folder's config.json and load its weights: (model, hf_config).
+
+    On the CPU the projections are then packed for oneDNN (CausalLM.pack_weights) unless
+    ``pack_weights`` is False."""
     from transformers import AutoConfig
 
     path = Path(path)
@@ -105,6 +108,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     with _default_dtype(dtype), torch.device(device):
         model = model_class(hf_config)
     load_weights(model, iterate_weights(files))
+    if pack_weights and torch.device(device).type == "cpu":
+        model.pack_weights()
     return model.eval(), hf_config
 
 

@@ -1,0 +1,92 @@
+"""Projections packed for oneDNN on the CPU (Linear.pack) against plain F.linear, and how
+load_model uses them (plain weights released, a tied lm_head kept for the embedding)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_tiny_model
+
+from pagellm.model import load_model
+from pagellm.model.layers import Linear, MergedLinear
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="torch built without oneDNN")
+
+
+def linear(in_features: int, out_features: int, dtype: torch.dtype, bias: bool) -> Linear:
+    gen = torch.Generator().manual_seed(in_features * out_features)
+    layer = Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) * 0.05)
+        if bias:
+            layer.bias.copy_(torch.randn(out_features, generator=gen))
+    return layer.to(dtype)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(64, 96), (768, 1280), (2048, 768), (40, 17)])
+def test_packed_linear_matches_f_linear(dtype, bias, shape):
+    layer = linear(*shape, dtype, bias)
+    weight = layer.weight.detach().clone()
+    assert layer.pack()
+    assert layer.weight.numel() == 0  # the plain copy is released
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 8, 64, 129):
+        x = torch.randn(rows, shape[0], generator=gen).to(dtype)
+        expected = F.linear(x, weight, layer.bias)
+        got = layer(x)
+        assert got.shape == expected.shape and got.dtype == dtype
+        if dtype == torch.bfloat16:  # same oneDNN kernel as torch's bfloat16 matmul here
+            torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+        else:
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    strided = torch.randn(5, shape[0] + 7, generator=gen).to(dtype)[:, :shape[0]]
+    torch.testing.assert_close(layer(strided), F.linear(strided, weight, layer.bias),
+                               atol=1e-2, rtol=1e-2)
+
+
+def test_layers_that_cannot_be_packed_stay_plain():
+    half = linear(32, 16, torch.float16, bias=False)
+    packed = half.pack()  # float16 is packed nowhere: torch's CPU matmul handles it
+    assert not packed and half.packed_weight is None and half.weight.shape == (16, 32)
+    x = torch.randn(2, 32).half()
+    torch.testing.assert_close(half(x), F.linear(x, half.weight))
+    meta = Linear(8, 8).to("meta")
+    assert not meta.pack() and meta.weight.shape == (8, 8)
+
+
+@needs_onednn
+def test_merged_layer_packs_after_its_shards_load():
+    layer = MergedLinear(16, [8, 8]).to(torch.bfloat16)
+    gate, up = torch.randn(8, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    layer.weight_loader(layer.weight, gate, 0)
+    layer.weight_loader(layer.weight, up, 1)
+    assert layer.pack(keep_weight=True)
+    assert layer.weight.shape == (16, 16)  # kept
+    x = torch.randn(4, 16).bfloat16()
+    torch.testing.assert_close(layer(x), F.linear(x, torch.cat([gate, up])), atol=1e-2,
+                               rtol=1e-2)
+
+
+@needs_onednn
+@pytest.mark.parametrize("architecture, tied", [("LlamaForCausalLM", False),
+                                                ("Qwen2ForCausalLM", True)])
+def test_load_model_packs_on_the_cpu(tmp_path, architecture, tied):
+    path = make_tiny_model(tmp_path, architecture, seed=3, tie_word_embeddings=tied)
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None for m in linears)
+    assert model.tie_word_embeddings == tied
+    for m in linears:
+        kept = m is model.lm_head and tied  # the embedding reads the tied weight
+        assert (m.weight.numel() > 0) == kept
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    plain, _ = load_model(path, dtype=torch.bfloat16, pack_weights=False)
+    assert all(m.packed_weight is None for m in plain.modules() if isinstance(m, Linear))
+    tokens = torch.tensor([1, 5, 9])
+    hidden = model.model.embed_tokens(tokens)
+    assert torch.equal(model.compute_logits(hidden), plain.compute_logits(hidden))
