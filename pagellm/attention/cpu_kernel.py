@@ -9,27 +9,18 @@ next to this file. It is an accelerator, not a requirement: without a C compiler
 devices, for float16, or with ``PAGELLM_CPU_KERNELS=0`` the torch path runs, and the tests hold
 all three to one reference.
 
-The shared library is compiled with ``-march=native -fopenmp`` into
-``$PAGELLM_CACHE_DIR`` (default ``~/.cache/pagellm``)/kernels, keyed by a hash of the source,
-the flags, the compiler and the CPU, and loaded with ctypes. Its OpenMP runtime is the one
-torch already loaded (same ``libgomp.so.1`` soname), so it follows ``torch.set_num_threads``
-and shares torch's worker threads instead of competing with them.
+It is compiled with ``-march=native -fopenmp`` and cached by pagellm.native, which says where
+and how; its OpenMP threads are torch's.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("pagellm")
+from pagellm import native
+
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
           "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
@@ -62,8 +53,7 @@ class _Kernel:
     def load(self) -> ctypes.CDLL | None:
         if not self.tried:
             self.tried = True
-            if os.environ.get("PAGELLM_CPU_KERNELS", "1") != "0":
-                self.library = _build_and_load(self.portable)
+            self.library = _build_and_load(self.portable)
         return self.library
 
     def scratch(self, numel: int) -> torch.Tensor:
@@ -153,46 +143,11 @@ def _pointer(x: torch.Tensor | None) -> int | None:
 
 
 def _build_and_load(portable: bool) -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler found: CPU decode attention uses the torch path")
-        return None
     flags = _FLAGS + (["-DPAGELLM_PORTABLE"] if portable else [])
-    source = _SOURCE.read_text()
-    key = hashlib.sha256("\n".join([source, " ".join(flags), compiler, _cpu_id()])
-                         .encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PAGELLM_CACHE_DIR", "~/.cache/pagellm")).expanduser()
-    target = cache / "kernels" / f"paged_decode_{key}.so"
-    try:
-        if not target.exists():
-            _compile(compiler, flags, target)
-        library = ctypes.CDLL(str(target))
+    library = native.build_and_load(_SOURCE, flags, "CPU decode attention kernel")
+    if library is not None:
         for suffix in _SUFFIX.values():
             getattr(library, "paged_decode_attention_" + suffix).argtypes = [
                 ctypes.POINTER(_DecodeArgs)]
         library.paged_decode_features.restype = ctypes.c_int
-        return library
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("could not build the CPU decode attention kernel (%s %s); using the "
-                       "torch path", exc, detail.decode(errors="replace")[-500:])
-        return None
-
-
-def _compile(compiler: str, flags: list[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        library = Path(tmp) / "paged_decode.so"
-        subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(library), "-lm"], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(library, target)  # atomic: concurrent builders never see a partial file
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return platform.machine() + "".join(sorted(set(lines)))
-    except OSError:
-        return platform.machine() + platform.processor()
+    return library

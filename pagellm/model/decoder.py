@@ -96,7 +96,12 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), in transformers' op order."""
+    """Pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h)), with transformers' roundings.
+
+    The residual stream travels beside the layer output, as in vLLM: each layer returns
+    (mlp output, stream) and the next layer's first norm adds the two, fused with the norm
+    (RMSNorm(x, residual)), so the additions are those of transformers, in its order.
+    """
 
     def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int) -> None:
         super().__init__()
@@ -105,11 +110,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DecoderMLP(config, spec)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache,
-                                         metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's mlp output, or the embeddings with residual None."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -126,9 +137,10 @@ class DecoderModel(nn.Module):
                 kv_caches: list[KVCache], metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # each [T, 1, head_dim]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, metadata)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class CausalLM(nn.Module):

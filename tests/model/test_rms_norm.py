@@ -1,0 +1,65 @@
+"""The compiled RMSNorm (rms_norm.c) against the torch ops transformers runs: every output bit,
+with and without the fused residual add."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.model.layers import RMSNorm
+from pagellm.model.layers.norm import _LIBRARY
+
+needs_kernel = pytest.mark.skipif(_LIBRARY.load() is None,
+                                  reason="no C compiler or unknown torch vector width")
+
+
+def norm_layer(n: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    layer = RMSNorm(n, eps=1e-5)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.copy_(torch.rand(n, generator=gen) * 0.4 + 0.8)
+    return layer.to(dtype)
+
+
+def activations(rows: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows of very different scales, as hidden states are (a few huge outlier channels)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=gen) * torch.exp(torch.randn(rows, 1, generator=gen) * 2)
+    x[:, :: max(1, n // 7)] *= 30
+    return x.to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [17, 64, 128, 768, 896, 1000, 2048, 4096, 5120])
+def test_norm_is_bit_identical_to_the_torch_ops(dtype, n):
+    layer = norm_layer(n, dtype, seed=n)
+    for rows in (1, 3, 64):
+        x = activations(rows, n, dtype, seed=rows + n)
+        assert torch.equal(layer(x), layer._norm(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [64, 768, 4096])
+def test_fused_residual_add_is_bit_identical(dtype, n):
+    layer = norm_layer(n, dtype, seed=1)
+    x = activations(9, n, dtype, seed=2)
+    residual = activations(9, n, dtype, seed=3)
+    expected_hidden = residual + x
+    expected = layer._norm(expected_hidden)
+    stream = residual.clone()
+    out, hidden = layer(x, stream)
+    assert hidden is stream  # updated in place, as the next layer reads it
+    assert torch.equal(hidden, expected_hidden) and torch.equal(out, expected)
+
+
+def test_views_and_other_dtypes_take_the_torch_ops():
+    layer = norm_layer(32, torch.bfloat16, seed=4)
+    qkv = activations(6, 96, torch.bfloat16, seed=5)
+    q = qkv[:, :64].view(6, 2, 32)  # per-head norm on a strided view (Qwen3's q_norm)
+    assert torch.equal(layer(q), layer._norm(q))
+    half = norm_layer(32, torch.float16, seed=6)
+    x, residual = activations(4, 32, torch.float16, 7), activations(4, 32, torch.float16, 8)
+    out, hidden = half(x, residual.clone())
+    assert torch.equal(hidden, residual + x) and torch.equal(out, half._norm(residual + x))
+    assert layer(torch.empty(0, 32, dtype=torch.bfloat16)).shape == (0, 32)
