@@ -68,13 +68,20 @@ class DecoderAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]  # hidden: [T, hidden_size]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        # q and k side by side: [T, H + KVH, D], a view into qkv
+        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        if not self.qk_norm and RotaryEmbedding.rotates_in_place(qk):
+            RotaryEmbedding.apply_(qk, cos, sin)  # both at once, in place
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         out = self.attn(q, k, v, kv_cache, metadata)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.model.layers import cpu_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -88,5 +90,16 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, num_heads, head_dim] rotated by its token's angle."""
+        """x [num_tokens, num_heads, head_dim] rotated by its token's angle (a new tensor)."""
         return x * cos + rotate_half(x) * sin
+
+    @staticmethod
+    def rotates_in_place(x: torch.Tensor) -> bool:
+        """Whether apply_ can rotate x (a view into the qkv projection) in place on the CPU."""
+        return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                and x.shape[2] % 2 == 0 and cpu_ops.available(x))
+
+    @staticmethod
+    def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``apply`` in place, one pass (cpu_ops.c), the same bits; needs rotates_in_place(x)."""
+        return cpu_ops.rotary_(x, cos[:, 0].contiguous(), sin[:, 0].contiguous())

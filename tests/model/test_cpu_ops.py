@@ -1,12 +1,12 @@
-"""The compiled RMSNorm (rms_norm.c) against the torch ops transformers runs: every output bit,
-with and without the fused residual add."""
+"""The compiled layer ops (cpu_ops.c) against the torch ops transformers runs, every output bit:
+RMSNorm with and without the fused residual add, and rotary embedding in place."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagellm.model.layers import RMSNorm
-from pagellm.model.layers.norm import _LIBRARY
+from pagellm.model.layers import RMSNorm, RotaryEmbedding
+from pagellm.model.layers.cpu_ops import _LIBRARY
 
 needs_kernel = pytest.mark.skipif(_LIBRARY.load() is None,
                                   reason="no C compiler or unknown torch vector width")
@@ -53,6 +53,26 @@ def test_fused_residual_add_is_bit_identical(dtype, n):
     assert torch.equal(hidden, expected_hidden) and torch.equal(out, expected)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_in_place_is_bit_identical(dtype, head_dim):
+    config = type("Config", (), {"max_position_embeddings": 4096, "rope_theta": 10000.0})()
+    rope = RotaryEmbedding(head_dim, config)
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens, heads, kv_heads = 37, 6, 2
+    positions = torch.randint(0, 4000, (tokens,), generator=gen)
+    cos, sin = rope(positions, dtype)  # [T, 1, D]
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 3).to(dtype)
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, -1, head_dim)  # strided view
+    expected = RotaryEmbedding.apply(qk, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    assert RotaryEmbedding.rotates_in_place(qk)
+    RotaryEmbedding.apply_(qk, cos, sin)
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
 def test_views_and_other_dtypes_take_the_torch_ops():
     layer = norm_layer(32, torch.bfloat16, seed=4)
     qkv = activations(6, 96, torch.bfloat16, seed=5)
@@ -63,3 +83,5 @@ def test_views_and_other_dtypes_take_the_torch_ops():
     out, hidden = half(x, residual.clone())
     assert torch.equal(hidden, residual + x) and torch.equal(out, half._norm(residual + x))
     assert layer(torch.empty(0, 32, dtype=torch.bfloat16)).shape == (0, 32)
+    assert not RotaryEmbedding.rotates_in_place(torch.empty(3, 2, 32, dtype=torch.float16))
+    assert not RotaryEmbedding.rotates_in_place(q.transpose(1, 2))  # head_dim not contiguous

@@ -1,13 +1,15 @@
-/* RMSNorm, optionally fused with the residual add before it, bit-identical to the eager torch
-   ops transformers runs:
+/* Elementwise layer ops for the CPU, bit-identical to the eager torch ops transformers runs
+   (cpu_ops.py loads this file; tests/model/test_cpu_ops.py compares every output bit).
+   Each does in one pass per row what takes torch several tensor ops, each a dispatch and a
+   round trip through memory: most of what a small-batch decode step spent outside its
+   matmuls.
+
+   RMSNorm, optionally fused with the residual add before it:
 
      h   = residual + x                      (rounded to the dtype: the new residual)
      v   = sum(float(h)^2) / n + eps         (float32; the sum in torch's order, below)
      y   = round(float(h) * (1 / sqrt(v)))   (rounded to the dtype)
      out = round(weight * y)
-
-   One pass per row instead of nine tensor ops (each a dispatch and a round trip through
-   memory), which is most of the time a small-batch decode step spends outside its matmuls.
 
    The sum must add the squares in the order of torch's CPU sum over a contiguous row
    (aten/src/ATen/native/cpu/SumKernel.cpp, vectorized_inner_sum): `lanes`-wide vectors, four
@@ -15,8 +17,15 @@
    then the scalar tail, then the lanes one by one. A float32 sum in another order differs in
    the last bit often enough to flip bfloat16 roundings. Which vector width torch's sum runs
    with depends on its build and the CPU (8 floats on an AVX-512 CPU with torch 2.13), so the
-   caller finds it by comparing row_sum_f32 with torch.sum (norm.py) and does not use this file
-   when neither width matches. tests/model/test_rms_norm.py compares every output bit. */
+   caller finds it by comparing row_sum_f32 with torch.sum and does not use this file when no
+   width matches.
+
+   Rotary embedding (rotate-half pairing), in place:
+
+     x[i]     = round(round(x[i] * cos[i])         + round(-x[i + D/2] * sin[i]))
+     x[i+D/2] = round(round(x[i + D/2] * cos[i+D/2]) + round(x[i] * sin[i+D/2]))
+
+   which is transformers' x * cos + rotate_half(x) * sin, rounding where its ops round. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -151,3 +160,33 @@ void rms_norm_f32(const rms_args* a) {
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (h[i] * inv);
   }
 }
+
+typedef struct {
+  void* x;         /* [tokens, heads, head_dim], rows of head_dim contiguous */
+  const void* cos; /* [tokens, head_dim] contiguous */
+  const void* sin;
+  int64_t tokens, heads, head_dim, token_stride, num_threads;
+} rope_args;
+
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                                  \
+void NAME(const rope_args* a) {                                                              \
+  const int64_t D = a->head_dim, half = D / 2;                                               \
+  _Pragma("omp parallel for num_threads(a->num_threads) schedule(static) if (a->tokens > 1)") \
+  for (int64_t t = 0; t < a->tokens; t++) {                                                  \
+    const T* c = (const T*)a->cos + t * D;                                                   \
+    const T* s = (const T*)a->sin + t * D;                                                   \
+    for (int64_t h = 0; h < a->heads; h++) {                                                 \
+      T* x = (T*)a->x + t * a->token_stride + h * D;                                         \
+      for (int64_t i = 0; i < half; i++) {                                                   \
+        const float x1 = LOAD(x[i]), x2 = LOAD(x[i + half]);                                 \
+        x[i] = STORE(LOAD(STORE(x1 * LOAD(c[i]))) + LOAD(STORE(-x2 * LOAD(s[i]))));          \
+        x[i + half] = STORE(LOAD(STORE(x2 * LOAD(c[i + half])))                              \
+                            + LOAD(STORE(x1 * LOAD(s[i + half]))));                          \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+}
+
+static inline float f32_id(float v) { return v; }
+DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ROTARY(rotary_f32, float, f32_id, f32_id)
