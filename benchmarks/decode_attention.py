@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/decode_attention.py                     # bfloat16, 64 x 512
     .venv/bin/python benchmarks/decode_attention.py --dtype float32 --num-seqs 128
     .venv/bin/python benchmarks/decode_attention.py --hot               # K/V in cache: compute
+    .venv/bin/python benchmarks/decode_attention.py --num-blocks 4160   # a half-used pool
 
 Workload (seed 0): the attention of the ~125M "small" Llama (12 query heads over 4 KV heads,
 head_dim 64), block size 16, ``--num-seqs`` decodes at ``--context`` tokens each, for 12
@@ -11,7 +12,8 @@ every step reads the whole context from memory, as a model step does), block tab
 of the 12 layers' decode attention (the step's K/V already in the cache), the K/V bytes read
 and the rate, and the largest difference from the pure-torch path. ``--hot`` makes every table
 point into the same 32 blocks, so K/V stay in the CPU caches: what the kernel costs when memory
-is not the limit.
+is not the limit. ``--num-blocks`` sizes the pool the tables draw from (default: the batch's
+blocks + 8, a full pool); a larger pool leaves gaps between the blocks a step reads.
 """
 from __future__ import annotations
 
@@ -31,10 +33,11 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_LAYERS, BLOCK_SIZE = 12, 4, 64, 12, 16
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def measure(num_seqs: int, context: int, dtype: torch.dtype, hot: bool, iters: int) -> dict:
+def measure(num_seqs: int, context: int, dtype: torch.dtype, hot: bool, iters: int,
+            num_blocks: int = 0) -> dict:
     gen = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = num_seqs * per_seq + 8
+    num_blocks = max(num_blocks, num_seqs * per_seq + 8)
     if hot:
         tables = [[(i * 7 + j) % 32 for j in range(per_seq)] for i in range(num_seqs)]
     else:
@@ -61,7 +64,8 @@ def measure(num_seqs: int, context: int, dtype: torch.dtype, hot: bool, iters: i
         times.append(time.perf_counter() - start)
     ms = statistics.median(times[1:]) * 1e3
     kv_bytes = 2 * NUM_LAYERS * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * query.element_size()
-    return {"num_seqs": num_seqs, "context": context, "hot": hot, "ms_12_layers": round(ms, 2),
+    return {"num_seqs": num_seqs, "context": context, "hot": hot, "num_blocks": num_blocks,
+            "ms_12_layers": round(ms, 2),
             "kv_bytes": kv_bytes, "gb_per_s": round(kv_bytes / ms / 1e6, 1),
             "max_diff_vs_torch_path": float((out.float() - reference.float()).abs().max())}
 
@@ -74,11 +78,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--hot", action="store_true", help="K/V kept in the CPU caches")
+    parser.add_argument("--num-blocks", type=int, default=0,
+                        help="blocks in the pool (default: the batch's + 8)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_kernel.supports(torch.empty(0, dtype=DTYPES[args.dtype])):
         raise SystemExit("the compiled CPU decode kernel is not available here")
-    result = measure(args.num_seqs, args.context, DTYPES[args.dtype], args.hot, args.iters)
+    result = measure(args.num_seqs, args.context, DTYPES[args.dtype], args.hot, args.iters,
+                     args.num_blocks)
     print(json.dumps({"dtype": args.dtype, "threads": args.threads, "cpu": platform.machine(),
                       "vector_inner_loops": cpu_kernel.vector_paths(), **result}, indent=1))
 

@@ -100,6 +100,10 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     stride) by cos, sin [tokens, head_dim] (contiguous, x's dtype). Caller checks
     available(x)."""
     tokens, heads, head_dim = x.shape
+    if not (cos.dtype == sin.dtype == x.dtype and cos.shape == sin.shape == (tokens, head_dim)
+            and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"rotary_: cos and sin must be contiguous [{tokens}, {head_dim}] of "
+                         f"{x.dtype}, got {tuple(cos.shape)} {cos.dtype}")
     args = _RopeArgs(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim,
                      x.stride(0), torch.get_num_threads())
     getattr(_LIBRARY.library, "rotary_" + _SUFFIX[x.dtype])(ctypes.byref(args))

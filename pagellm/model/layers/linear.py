@@ -7,13 +7,15 @@ goes (``weight_loader(param, tensor, shard_id)``), so the model loader needs no 
 of names: it maps ``q_proj`` -> (``qkv_proj``, "q") and calls the loader.
 
 On the CPU, once the weights are loaded, ``pack_linear_weights`` re-lays every weight out in
-oneDNN's blocked format (what torch's own bfloat16 matmul converts the weight to on every call):
-the same GEMM kernel without the per-call reorder, 1.1-2.4x faster in bfloat16 and 1.2-3.5x in
-float32 on the decode and prefill shapes measured in docs/BENCHMARKS.md ("Packed weights").
+oneDNN's blocked format once (torch's own bfloat16 matmul runs the same oneDNN kernel but
+reorders the weight on every call; its float32 matmul goes to MKL): 1.05-2x faster in bfloat16
+with the same output bits, 1.1-3.7x in float32, by number of rows (docs/BENCHMARKS.md, "Packed
+weights").
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -84,7 +86,7 @@ class Linear(nn.Module):
                 + (", packed" if self.packed_weight is not None else ""))
 
 
-def pack_linear_weights(model: nn.Module, shared: set[int] = frozenset()) -> int:
+def pack_linear_weights(model: nn.Module, shared: Collection[int] = ()) -> int:
     """Pack every Linear of a loaded CPU model (see Linear.pack); returns how many were.
 
     ``shared``: ids of weight tensors that other modules also read (tied embeddings), which
