@@ -306,10 +306,10 @@ class LLMEngine:
         queue can never fit (it needs more blocks than exist): finish it with an error rather
         than retry it for ever."""
         sched = self.scheduler
-        if sched.running or sched.swapped or not sched.waiting:
+        head = sched.next_waiting()
+        if sched.running or sched.swapped or head is None:
             return []
-        sched.waiting.sort(key=sched._key)
-        request = sched.waiting[0].request
+        request = head.request
         request.error = (f"request {request.request_id!r} cannot fit in the KV cache "
                          f"({self.num_gpu_blocks} blocks of {self.args.block_size} tokens)")
         logger.warning(request.error)

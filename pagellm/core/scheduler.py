@@ -104,6 +104,10 @@ class Scheduler:
     def _key(self, seq: Sequence) -> tuple:
         return seq.sort_key(self.use_priority)
 
+    def next_waiting(self) -> Sequence | None:
+        """The waiting sequence that would be admitted first (None when none waits)."""
+        return min(self.waiting, key=self._key, default=None)
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

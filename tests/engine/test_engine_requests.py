@@ -187,3 +187,24 @@ def test_contiguous_allocator_gives_the_same_samples(llama_dir):
         assert stats.num_free_blocks == stats.num_blocks
     assert results["paged"] == results["contiguous"]
     assert any(a != b for a, b in results["paged"]), "two samples should differ"
+
+
+def test_request_that_can_never_fit_is_finished_with_an_error(llama_dir):
+    """With nothing running or swapped and the head of the queue still unschedulable, the engine
+    finishes that request with an error instead of retrying it for ever. add_request and
+    start-up make this hard to reach, so blocks are taken away behind the scheduler's back."""
+    args = EngineArgs(model=str(llama_dir), block_size=4, num_gpu_blocks_override=30,
+                      max_model_len=100)
+    engine = LLMEngine.from_engine_args(args)
+    engine.add_request("big", {"prompt_token_ids": make_prompts(1, [60], seed=3)[0]},
+                       SamplingParams(max_tokens=8, **GREEDY))
+    engine.add_request("next", {"prompt_token_ids": make_prompts(1, [6], seed=4)[0]},
+                       SamplingParams(max_tokens=2, **GREEDY))
+    assert engine.kv.allocate_slots("elsewhere", [0] * 100, 100) is not None  # 25 of 30 blocks
+    outputs = engine.step()
+    assert [(o.request_id, o.finished) for o in outputs] == [("big", True)]
+    assert "cannot fit in the KV cache (30 blocks of 4 tokens)" in outputs[0].error
+    final = _run(engine)  # the next request still runs in the 5 blocks left
+    assert list(final) == ["next"] and len(final["next"].outputs[0].token_ids) == 2
+    engine.kv.free("elsewhere")
+    assert engine.get_stats().num_free_blocks == 30
