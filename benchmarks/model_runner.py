@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/model_runner.py --dtypes bfloat16 --batch-sizes 64 --iters 5
     .venv/bin/python benchmarks/model_runner.py --torch-decode   # without the CPU kernel
     .venv/bin/python benchmarks/model_runner.py --unpacked       # plain F.linear weights
+    .venv/bin/python benchmarks/model_runner.py --profile        # + torch profiler top ops
 
 Workload (fixed seed, random weights std 0.02, nothing downloaded): decode steps of 1, 8, 32,
 64 and 128 sequences, each at 512 tokens of context (511 cached + 1 new), and one 512-token
@@ -17,6 +18,9 @@ For every shape it reports:
 - ``matmul_ms``: a lower bound measured in the same run, the model's linear layers
   (q/k/v, o, gate/up, down for every layer, lm_head on the sampled rows) timed alone on the
   same weights and activation shapes, through the same (packed or plain) layers.
+- with ``--profile``, ``profile_ms_per_step``: the torch profiler's ten largest ops by self CPU
+  time, per step (the compiled CPU kernels and Python are not ops: they are the difference
+  between the step and the ops' sum).
 Target: attention under 25% of a decode step at 64 sequences x 512 context.
 """
 from __future__ import annotations
@@ -133,19 +137,31 @@ def matmul_ms(model: LlamaForCausalLM, num_tokens: int, num_logits: int, iters: 
     return median_ms(run, iters)
 
 
+def profile_ms(runner: ModelRunner, batch: list[ScheduledSeq], iters: int) -> dict:
+    """The ten largest torch ops by self CPU time, milliseconds per step."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            runner.execute(batch)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {e.key: round(e.self_cpu_time_total / 1e3 / iters, 2) for e in events[:10]}
+
+
 def measure(runner: ModelRunner, model: LlamaForCausalLM, batch: list[ScheduledSeq],
-            iters: int) -> dict:
+            iters: int, profile: bool = False) -> dict:
     num_tokens = sum(s.num_new_tokens for s in batch)
     step = median_ms(lambda: runner.execute(batch), iters)
     attention = attention_ms(runner, batch, iters)
     matmul = matmul_ms(model, num_tokens, len(batch), iters)
-    return {"step_ms": round(step, 2), "tokens_per_s": round(num_tokens / step * 1e3, 1),
-            "attention_ms": round(attention, 2), "attention_share": round(attention / step, 3),
-            "matmul_ms": round(matmul, 2), "step_over_matmul": round(step / matmul, 2)}
+    result = {"step_ms": round(step, 2), "tokens_per_s": round(num_tokens / step * 1e3, 1),
+              "attention_ms": round(attention, 2), "attention_share": round(attention / step, 3),
+              "matmul_ms": round(matmul, 2), "step_over_matmul": round(step / matmul, 2)}
+    if profile:
+        result["profile_ms_per_step"] = profile_ms(runner, batch, iters)
+    return result
 
 
 def run(dtype_name: str, batch_sizes: list[int], context: int, prefill: int,
-        iters: int, pack: bool) -> list[dict]:
+        iters: int, pack: bool, profile: bool = False) -> list[dict]:
     dtype = getattr(torch, dtype_name)
     model, config = build_model(dtype, pack=pack)
     num_blocks = max(batch_sizes) * -(-context // BLOCK_SIZE) + 64
@@ -157,11 +173,12 @@ def run(dtype_name: str, batch_sizes: list[int], context: int, prefill: int,
         runner.execute([ScheduledSeq(s.token_ids, 0, context, s.block_table, False)
                         for s in batch])  # fill the caches with real K/V
         results.append({"dtype": dtype_name, "kind": "decode", "num_seqs": num_seqs,
-                        "context": context, **measure(runner, model, batch, iters)})
+                        "context": context, **measure(runner, model, batch, iters, profile)})
     if prefill:
         batch = prefill_batch(prefill, num_blocks, seed=1)
         results.append({"dtype": dtype_name, "kind": "prefill", "num_seqs": 1,
-                        "context": prefill, **measure(runner, model, batch, max(3, iters // 2))})
+                        "context": prefill,
+                        **measure(runner, model, batch, max(3, iters // 2), profile)})
     return results
 
 
@@ -175,6 +192,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--torch-decode", action="store_true",
                         help="decode attention through the pure-torch path, not the CPU kernel")
+    parser.add_argument("--profile", action="store_true",
+                        help="add the torch profiler's largest ops for every shape")
     parser.add_argument("--unpacked", action="store_true",
                         help="plain F.linear weights, not packed for oneDNN")
     args = parser.parse_args()
@@ -184,7 +203,7 @@ def main() -> None:
     results = []
     for dtype_name in args.dtypes.split(","):
         results += run(dtype_name, [int(b) for b in args.batch_sizes.split(",")], args.context,
-                       args.prefill, args.iters, not args.unpacked)
+                       args.prefill, args.iters, not args.unpacked, args.profile)
     print(json.dumps({"model": "small Llama (random weights)", **SMALL_LLAMA,
                       "block_size": BLOCK_SIZE, "threads": args.threads,
                       "packed_weights": not args.unpacked,
