@@ -124,42 +124,30 @@ static float inverse_rms(float* h, float* sq, int64_t n, int64_t lanes, float ep
   return 1.0f / sqrtf(variance);
 }
 
-void rms_norm_bf16(const rms_args* a) {
-  const int64_t n = a->n;
-#pragma omp parallel for num_threads(a->num_threads) schedule(static) if (a->rows > 1)
-  for (int64_t r = 0; r < a->rows; r++) {
-    const bf16_t* x = (const bf16_t*)a->x + r * n;
-    bf16_t* res = a->residual ? (bf16_t*)a->residual + r * n : 0;
-    const bf16_t* w = (const bf16_t*)a->weight;
-    bf16_t* out = (bf16_t*)a->out + r * n;
-    float* h = a->scratch + 2 * n * omp_get_thread_num();
-    for (int64_t i = 0; i < n; i++) {
-      if (res) res[i] = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(x[i]));
-      h[i] = bf16_to_f32(res ? res[i] : x[i]);
-    }
-    const float inv = inverse_rms(h, h + n, n, a->lanes, a->eps);
-    for (int64_t i = 0; i < n; i++)
-      out[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(h[i] * inv)));
-  }
+static inline float f32_id(float v) { return v; }
+
+/* LOAD widens a T to float, STORE rounds a float to T (identity for float32). */
+#define DEFINE_RMS_NORM(NAME, T, LOAD, STORE)                                                \
+void NAME(const rms_args* a) {                                                               \
+  const int64_t n = a->n;                                                                    \
+  _Pragma("omp parallel for num_threads(a->num_threads) schedule(static) if (a->rows > 1)")  \
+  for (int64_t r = 0; r < a->rows; r++) {                                                    \
+    const T* x = (const T*)a->x + r * n;                                                     \
+    T* res = a->residual ? (T*)a->residual + r * n : 0;                                      \
+    const T* w = (const T*)a->weight;                                                        \
+    T* out = (T*)a->out + r * n;                                                             \
+    float* h = a->scratch + 2 * n * omp_get_thread_num();                                    \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+      if (res) res[i] = STORE(LOAD(res[i]) + LOAD(x[i]));                                    \
+      h[i] = LOAD(res ? res[i] : x[i]);                                                      \
+    }                                                                                        \
+    const float inv = inverse_rms(h, h + n, n, a->lanes, a->eps);                            \
+    for (int64_t i = 0; i < n; i++) out[i] = STORE(LOAD(w[i]) * LOAD(STORE(h[i] * inv)));    \
+  }                                                                                          \
 }
 
-void rms_norm_f32(const rms_args* a) {
-  const int64_t n = a->n;
-#pragma omp parallel for num_threads(a->num_threads) schedule(static) if (a->rows > 1)
-  for (int64_t r = 0; r < a->rows; r++) {
-    const float* x = (const float*)a->x + r * n;
-    float* res = a->residual ? (float*)a->residual + r * n : 0;
-    const float* w = (const float*)a->weight;
-    float* out = (float*)a->out + r * n;
-    float* h = a->scratch + 2 * n * omp_get_thread_num();
-    for (int64_t i = 0; i < n; i++) {
-      if (res) res[i] = res[i] + x[i];
-      h[i] = res ? res[i] : x[i];
-    }
-    const float inv = inverse_rms(h, h + n, n, a->lanes, a->eps);
-    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (h[i] * inv);
-  }
-}
+DEFINE_RMS_NORM(rms_norm_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_RMS_NORM(rms_norm_f32, float, f32_id, f32_id)
 
 typedef struct {
   void* x;         /* [tokens, heads, head_dim], rows of head_dim contiguous */
@@ -187,6 +175,5 @@ void NAME(const rope_args* a) {                                                 
   }                                                                                          \
 }
 
-static inline float f32_id(float v) { return v; }
 DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROTARY(rotary_f32, float, f32_id, f32_id)
