@@ -19,7 +19,7 @@ from torch import nn
 
 from pagellm.attention import Attention, AttentionMetadata, KVCache
 from pagellm.model.layers import (Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding,
-                                  pack_linear_weights)
+                                  cpu_ops, pack_linear_weights)
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,7 +98,11 @@ class DecoderMLP(nn.Module):
         self.down_proj = Linear(size, config.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate_size]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size]
+        if (gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.stride(1) == 1
+                and cpu_ops.available(gate_up)):
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))  # one pass, the same bits
+        gate, up = gate_up.chunk(2, dim=-1)  # each [T, intermediate_size]
         return self.down_proj(F.silu(gate) * up)
 
 

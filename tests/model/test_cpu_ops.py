@@ -1,11 +1,13 @@
 """The compiled layer ops (cpu_ops.c) against the torch ops transformers runs, every output bit:
-RMSNorm with and without the fused residual add, and rotary embedding in place."""
+RMSNorm with and without the fused residual add, rotary embedding in place, and bfloat16
+SiLU-and-multiply."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from pagellm.model.layers import RMSNorm, RotaryEmbedding
+from pagellm.model.layers import RMSNorm, RotaryEmbedding, cpu_ops
 from pagellm.model.layers.cpu_ops import _LIBRARY
 
 needs_kernel = pytest.mark.skipif(_LIBRARY.load() is None,
@@ -71,6 +73,21 @@ def test_rotary_in_place_is_bit_identical(dtype, head_dim):
     RotaryEmbedding.apply_(qk, cos, sin)
     assert torch.equal(qk, expected)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
+@needs_kernel
+def test_silu_and_mul_is_bit_identical_for_every_bfloat16_gate():
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = every[torch.isfinite(every.float())]  # 65,280 values
+    gen = torch.Generator().manual_seed(9)
+    rows, n = 255, 256  # gate values spread over the rows; a [rows, 2 n] projection output
+    gate_up = torch.empty(rows, 2 * n, dtype=torch.bfloat16)
+    gate_up[:, :n] = gate.view(rows, n)
+    gate_up[:, n:] = (torch.randn(rows, n, generator=gen) * 4).to(torch.bfloat16)
+    g, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(cpu_ops.silu_and_mul(gate_up), F.silu(g) * up)
+    few = gate_up[:3, :]  # a few rows, as in a small decode batch
+    assert torch.equal(cpu_ops.silu_and_mul(few), F.silu(few[:, :n]) * few[:, n:])
 
 
 def test_views_and_other_dtypes_take_the_torch_ops():

@@ -25,7 +25,9 @@
      x[i]     = round(round(x[i] * cos[i])         + round(-x[i + D/2] * sin[i]))
      x[i+D/2] = round(round(x[i + D/2] * cos[i+D/2]) + round(x[i] * sin[i+D/2]))
 
-   which is transformers' x * cos + rotate_half(x) * sin, rounding where its ops round. */
+   which is transformers' x * cos + rotate_half(x) * sin, rounding where its ops round.
+
+   SiLU and multiply (bfloat16 only), at the end of the file. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -177,3 +179,41 @@ void NAME(const rope_args* a) {                                                 
 
 DEFINE_ROTARY(rotary_bf16, bf16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROTARY(rotary_f32, float, f32_id, f32_id)
+
+/* SiLU and multiply for bfloat16: out = round(round(silu(gate)) * up), gate and up the two
+   halves of each row of the gate/up projection.
+
+   torch computes silu(x) = x / (1 + exp(-x)) in float32 with a vectorised exp (and libm's expf
+   in loop tails); for every finite bfloat16 input, libm's expf gives the same bfloat16 result
+   as torch's vectorised one (checked over all 65,280 finite inputs; the test checks it again
+   against the torch build in use), so silu is a 65,536-entry table indexed by the input's bits,
+   built once with libm's expf. */
+static bf16_t silu_table[65536];
+static int silu_table_ready = 0;
+
+void silu_table_init(void) {
+  if (silu_table_ready) return;
+  for (int64_t bits = 0; bits < 65536; bits++) {
+    const float x = bf16_to_f32((bf16_t)bits);
+    silu_table[bits] = f32_to_bf16(x / (1.0f + expf(-x)));
+  }
+  silu_table_ready = 1;
+}
+
+typedef struct {
+  const void* gate_up; /* [rows, 2 * n]: gate then up, rows row_stride elements apart */
+  void* out;           /* [rows, n] contiguous */
+  int64_t rows, n, row_stride, num_threads;
+} silu_args;
+
+void silu_and_mul_bf16(const silu_args* a) {
+  const int64_t n = a->n;
+#pragma omp parallel for num_threads(a->num_threads) schedule(static) if (a->rows > 1)
+  for (int64_t r = 0; r < a->rows; r++) {
+    const bf16_t* gate = (const bf16_t*)a->gate_up + r * a->row_stride;
+    const bf16_t* up = gate + n;
+    bf16_t* out = (bf16_t*)a->out + r * n;
+    for (int64_t i = 0; i < n; i++)
+      out[i] = f32_to_bf16(bf16_to_f32(silu_table[gate[i]]) * bf16_to_f32(up[i]));
+  }
+}

@@ -1,5 +1,6 @@
 """Compiled elementwise layer ops for the CPU (cpu_ops.c): RMSNorm fused with the residual add,
-and rotary embedding in place, bit-identical to the torch ops they replace.
+rotary embedding in place, and (bfloat16) SiLU-and-multiply, bit-identical to the torch ops
+they replace.
 
 They accelerate, never decide: ``available(x)`` is False off the CPU, for other dtypes, without
 a C compiler (see pagellm.native), and where torch's float32 sum order cannot be reproduced;
@@ -34,6 +35,11 @@ class _RopeArgs(ctypes.Structure):
                    ("tokens", "heads", "head_dim", "token_stride", "num_threads")])
 
 
+class _SiluArgs(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("gate_up", "out")]
+                + [(name, ctypes.c_int64) for name in ("rows", "n", "row_stride", "num_threads")])
+
+
 class _Library:
     """cpu_ops.c, built on first use; ``lanes`` is torch's sum vector width (0: unknown)."""
 
@@ -52,6 +58,8 @@ class _Library:
                     getattr(library, "rotary_" + suffix).argtypes = [ctypes.POINTER(_RopeArgs)]
                 library.row_sum_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
                 library.row_sum_f32.restype = ctypes.c_float
+                library.silu_and_mul_bf16.argtypes = [ctypes.POINTER(_SiluArgs)]
+                library.silu_table_init()
                 self.lanes = _torch_sum_lanes(library)
                 self.library = library if self.lanes else None
         return self.library
@@ -108,3 +116,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
                      x.stride(0), torch.get_num_threads())
     getattr(_LIBRARY.library, "rotary_" + _SUFFIX[x.dtype])(ctypes.byref(args))
     return x
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * n] (bfloat16, rows of contiguous elements) -> silu(gate) * up
+    [rows, n], rounded as F.silu(gate) * up. Caller checks available(gate_up) and the dtype."""
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype)
+    args = _SiluArgs(gate_up.data_ptr(), out.data_ptr(), rows, n, gate_up.stride(0),
+                     torch.get_num_threads())
+    _LIBRARY.library.silu_and_mul_bf16(ctypes.byref(args))
+    return out
