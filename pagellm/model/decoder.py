@@ -69,16 +69,13 @@ class DecoderAttention(nn.Module):
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]  # hidden: [T, hidden_size]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        # q and k side by side: [T, H + KVH, D], a view into qkv
-        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)  # [T, H + KVH, D], a view
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # views of qk
         if not self.qk_norm and RotaryEmbedding.rotates_in_place(qk):
-            RotaryEmbedding.apply_(qk, cos, sin)  # both at once, in place
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            RotaryEmbedding.apply_(qk, cos, sin)  # q and k at once, in place
         else:
-            q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
