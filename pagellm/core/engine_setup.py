@@ -17,7 +17,8 @@ import torch
 from pagellm.config import CPU_KV_CACHE_RAM_SHARE, EngineArgs
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.kv import ContiguousKVCacheManager, KVCacheManager
-from pagellm.model.loader import get_tokenizer, load_model, resolve_dtype, resolve_model_path
+from pagellm.model.loader import (get_tokenizer, load_config, load_model, resolve_dtype,
+                                  resolve_model_path)
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.model_runner import ModelRunner, ScheduledSeq
 from pagellm.worker.sampler import Sampler
@@ -76,7 +77,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
     path = resolve_model_path(args.model)
-    hf_config = _load_config(path)
+    hf_config = load_config(path)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     model, hf_config = load_model(path, dtype=dtype, device=device,
                                   allow_pickle=args.allow_pickle_weights)
@@ -100,11 +101,6 @@ def build_components(args: EngineArgs) -> EngineComponents:
         preemption_mode=args.preemption_mode, policy=args.scheduling_policy), kv)
     return EngineComponents(device, hf_config, tokenizer, max_model_len, num_gpu_blocks,
                             num_cpu_blocks, kv, cache_engine, runner, sampler, scheduler)
-
-
-def _load_config(path) -> Any:
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
 
 
 def _make_kv_manager(args: EngineArgs, num_gpu_blocks: int, num_cpu_blocks: int,

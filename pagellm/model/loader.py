@@ -1,4 +1,5 @@
-"""Find a model (local folder or Hugging Face Hub id), read its config, build it, load weights.
+"""Find a model (local folder, GGUF file or Hugging Face Hub id), read its config, build it,
+load weights.
 
 Weights load by name through each parameter's ``weight_loader`` (see model/layers/linear.py):
 the loader itself knows nothing about any family beyond ``packed_modules_mapping``. Only
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from pagellm.model.decoder import CausalLM
+from pagellm.model.gguf_config import is_gguf_file, load_gguf_config
 from pagellm.model.layers import default_weight_loader
 from pagellm.model.registry import get_model_class
 
@@ -32,13 +34,22 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def resolve_model_path(model: str | Path, allow_download: bool = True) -> Path:
-    """A local folder holding config.json: ``model`` itself, or a hub snapshot of it.
+    """A local folder holding config.json (``model`` itself, or a hub snapshot of it), or a
+    GGUF file.
 
-    ``model`` is a folder when it exists on disk, or looks like a path (absolute, ``./``,
-    ``~``); otherwise it is taken as a hub id ("org/name") and fetched (safetensors, json and
-    tokenizer files only) into the Hugging Face cache, which also serves it offline once cached.
+    ``model`` is a folder or ``*.gguf`` file when it exists on disk, or looks like a path
+    (absolute, ``./``, ``~``); otherwise it is taken as a hub id ("org/name") and fetched
+    (safetensors, json and tokenizer files only) into the Hugging Face cache, which also serves
+    it offline once cached.
     """
     path = Path(model).expanduser()
+    if is_gguf_file(path):
+        return path
+    if path.is_file():
+        raise ModelNotFoundError(f"model {str(path)!r} is a file but not a GGUF file (*.gguf); "
+                                 "pass a model folder holding config.json or a .gguf file")
+    if path.suffix.lower() == ".gguf":
+        raise ModelNotFoundError(f"GGUF file {str(path)!r} does not exist")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model folder {str(path)!r} has no config.json")
@@ -90,27 +101,45 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any,
     return config_dtype
 
 
+def load_config(path: str | Path) -> Any:
+    """The transformers config of a model folder (config.json) or of a GGUF file."""
+    from transformers import AutoConfig
+
+    if is_gguf_file(path):
+        return load_gguf_config(path)
+    return AutoConfig.from_pretrained(path)
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu",
                allow_pickle: bool = False, pack_weights: bool = True) -> tuple[CausalLM, Any]:
-    """Build the model of the folder's config.json and load its weights: (model, hf_config).
+    """Build the model of the folder's config.json (or of a GGUF file) and load its weights:
+    (model, hf_config).
 
     On the CPU the projections are then packed for oneDNN (CausalLM.pack_weights) unless
     ``pack_weights`` is False."""
-    from transformers import AutoConfig
+    if is_gguf_file(path):
+        from pagellm.model.gguf_loader import load_gguf_model
 
+        return load_gguf_model(path, dtype, device, pack_weights)
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"model folder {str(path)!r} has no config.json")
-    hf_config = AutoConfig.from_pretrained(path)
-    model_class = get_model_class(hf_config)
+    hf_config = load_config(path)
     files = weight_files(path, allow_pickle)
-    with _default_dtype(dtype), torch.device(device):
-        model = model_class(hf_config)
+    model = build_model(hf_config, dtype, device)
     load_weights(model, iterate_weights(files))
     if pack_weights and torch.device(device).type == "cpu":
         model.pack_weights()
     return model.eval(), hf_config
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """The model of ``hf_config``'s architecture, its parameters created in ``dtype`` on
+    ``device`` (and left unset: a weight loader fills them)."""
+    model_class = get_model_class(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        return model_class(hf_config)
 
 
 def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
@@ -211,9 +240,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def get_tokenizer(path: str | Path, **kwargs: Any) -> Any:
-    """The model's tokenizer (with its chat template) through transformers.AutoTokenizer."""
+    """The model's tokenizer (with its chat template) through transformers.AutoTokenizer;
+    a GGUF file's own tokenizer when ``path`` is one."""
     from transformers import AutoTokenizer
 
+    if is_gguf_file(path):
+        from pagellm.model.gguf_loader import get_gguf_tokenizer
+
+        return get_gguf_tokenizer(path, **kwargs)
     folder = Path(path).expanduser()
     if not folder.is_dir():
         folder = resolve_model_path(str(path))

