@@ -1,14 +1,21 @@
 """The package's C kernels (CPU only), compiled on first use with the system C compiler.
 
 Each source ships next to the Python module that calls it (``*.c`` package data). A build is
-cached in ``$PAGELLM_CACHE_DIR`` (default ``~/.cache/pagellm``)/kernels, keyed by a hash of the
-source, the flags, the compiler and the CPU (``-march=native`` builds are CPU-specific), and
-loaded with ctypes. Sources built with ``-fopenmp`` link ``libgomp.so.1``, the soname torch has
-already loaded, so the kernels follow ``torch.set_num_threads`` and share torch's worker
-threads instead of competing with them.
+cached in ``cache_dir()/kernels`` (``$PAGELLM_CACHE_DIR``, default ``~/.cache/pagellm``), keyed
+by a hash of the source, the flags, the compiler and the CPU (``-march=native`` builds are
+CPU-specific), and loaded with ctypes. Sources built with ``-fopenmp`` link ``libgomp.so.1``,
+the soname torch has already loaded, so the kernels follow ``torch.set_num_threads`` and share
+torch's worker threads instead of competing with them.
+
+Which instructions a build may use is an ISA level (``ISA_LEVELS``): ``native`` (default: all
+the build machine's CPU has), one of the x86-64 micro-architecture levels, or ``generic`` (the
+compiler's default target). ``$PAGELLM_CPU_ISA`` sets it for every kernel, so the code an
+older CPU would run (AVX2 only: ``x86-64-v3``; AVX-512 without the bfloat16 dot products:
+``x86-64-v4``) can be built and tested on a newer one.
 
 The kernels accelerate, never decide: without a compiler, after a failed build, or with
-``PAGELLM_CPU_KERNELS=0``, ``build_and_load`` returns None and callers run their torch path.
+``PAGELLM_CPU_KERNELS=0``, ``build_and_load`` returns None, logs once why, and callers run
+their torch path. ``status()`` says what happened to each kernel.
 """
 from __future__ import annotations
 
@@ -24,30 +31,116 @@ from pathlib import Path
 
 logger = logging.getLogger("pagellm")
 
+# level -> (-march value or None for the compiler's default, /proc/cpuinfo flags it needs)
+ISA_LEVELS: dict[str, tuple[str | None, frozenset[str]]] = {
+    "native": ("native", frozenset()),
+    "x86-64-v4": ("x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq",
+                                          "avx512vl", "avx2", "fma"})),  # AVX-512, no BF16
+    "x86-64-v3": ("x86-64-v3", frozenset({"avx2", "fma", "bmi2", "movbe"})),  # AVX2
+    "x86-64-v2": ("x86-64-v2", frozenset({"sse4_2", "ssse3", "popcnt"})),
+    "generic": (None, frozenset()),
+}
+_MARCH_NATIVE_MACHINES = ("x86_64", "AMD64", "aarch64", "arm64")
+_status: dict[str, str] = {}  # what -> "built (...)" or "off: why"
+_logged: set[str] = set()
 
-def build_and_load(source: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
-    """The shared library of ``source`` built with ``flags`` (cached), or None. ``what`` names
-    it in log messages."""
+
+def cache_dir() -> Path:
+    """Where pagellm keeps what it builds (kernels, built-in benchmark models):
+    ``$PAGELLM_CACHE_DIR``, default ``~/.cache/pagellm``."""
+    return Path(os.environ.get("PAGELLM_CACHE_DIR") or "~/.cache/pagellm").expanduser()
+
+
+def isa_level() -> str:
+    """The ISA level kernels are built for: ``$PAGELLM_CPU_ISA``, default ``native``."""
+    level = os.environ.get("PAGELLM_CPU_ISA") or "native"
+    if level not in ISA_LEVELS:
+        raise ValueError(f"PAGELLM_CPU_ISA={level!r} is not an ISA level; use one of "
+                         f"{list(ISA_LEVELS)}")
+    return level
+
+
+def isa_flags(level: str) -> list[str]:
+    """Compiler flags that target ``level`` on this machine (none for ``generic``, and for
+    ``native`` where the compiler has no -march=native for this architecture)."""
+    march, _ = ISA_LEVELS[level]
+    machine = platform.machine()
+    if march is None or (march == "native" and machine not in _MARCH_NATIVE_MACHINES):
+        return []
+    if march.startswith("x86-64") and machine not in ("x86_64", "AMD64"):
+        raise ValueError(f"ISA level {level!r} is for x86-64 CPUs; this one is {machine}")
+    return [f"-march={march}"]
+
+
+def cpu_runs(level: str) -> bool:
+    """Whether this CPU can run code built for ``level``."""
+    if level in ("native", "generic"):
+        return True
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    return ISA_LEVELS[level][1] <= cpu_flags()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def status() -> dict[str, str]:
+    """What happened to each kernel this process tried to build: ``built (...)`` or
+    ``off: <why>``."""
+    return dict(_status)
+
+
+def build_and_load(source: Path, flags: list[str], what: str,
+                   level: str | None = None) -> ctypes.CDLL | None:
+    """The shared library of ``source`` built with ``flags`` for ISA ``level`` (default
+    isa_level()), cached, or None. ``what`` names it in log messages and status()."""
     if os.environ.get("PAGELLM_CPU_KERNELS", "1") == "0":
-        return None
+        return _off(what, "PAGELLM_CPU_KERNELS=0", logging.INFO)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.info("no C compiler found: the %s is not used", what)
-        return None
+        return _off(what, "no C compiler found (set CC or install gcc)", logging.WARNING)
+    level = level or isa_level()
+    flags = [*flags, *isa_flags(level)]
     text = source.read_text()
     key = hashlib.sha256("\n".join([text, " ".join(flags), compiler, _cpu_id()])
                          .encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PAGELLM_CACHE_DIR", "~/.cache/pagellm")).expanduser()
-    target = cache / "kernels" / f"{source.stem}_{key}.so"
+    target = cache_dir() / "kernels" / f"{source.stem}_{key}.so"
     try:
         if not target.exists():
             _compile(compiler, source, flags, target)
-        return ctypes.CDLL(str(target))
+        library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("could not build the %s (%s %s); using the torch path", what, exc,
-                       detail.decode(errors="replace")[-500:])
-        return None
+        return _off(what, f"the build with {compiler} failed ({_failure(exc)})",
+                    logging.WARNING)
+    _status[what] = f"built ({level}: {' '.join(isa_flags(level)) or 'compiler default'})"
+    return library
+
+
+def _off(what: str, why: str, level: int) -> None:
+    """Record and log (once per reason) that a kernel is off."""
+    _status[what] = f"off: {why}"
+    if why not in _logged:
+        _logged.add(why)
+        logger.log(level, "compiled CPU kernels off: %s; the torch paths run instead", why)
+    return None
+
+
+def _failure(exc: Exception) -> str:
+    """A one-line reason: the compiler's first error line, else its exit status or error."""
+    detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip()
+    if detail:
+        lines = detail.splitlines()
+        return next((ln for ln in lines if "error" in ln), lines[-1])[-300:]
+    if isinstance(exc, subprocess.CalledProcessError):
+        return f"exit status {exc.returncode}, no message"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _compile(compiler: str, source: Path, flags: list[str], target: Path) -> None:

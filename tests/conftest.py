@@ -1,5 +1,28 @@
 """Test-suite root.
 
-This file only makes ``tests/`` importable (pytest puts the folder of a rootdir conftest on
-``sys.path``), so any test can ``from helpers import make_tiny_model, ...``.
+This file makes ``tests/`` importable (pytest puts the folder of a rootdir conftest on
+``sys.path``), so any test can ``from helpers import make_tiny_model, ...``, and reports the
+CPU and the execution paths a run tested (in the header, and in a closing section that ``-q``
+keeps): the compiled kernels may be on, off (``PAGELLM_CPU_KERNELS=0``, no compiler, a failed
+build) or built for another ISA level (``PAGELLM_CPU_ISA``), and a CI log must say which.
 """
+from __future__ import annotations
+
+
+def _paths() -> list[str]:
+    import torch
+
+    from pagellm.worker.execution_paths import describe_paths
+
+    lines = [f"torch {torch.__version__}"]
+    return lines + [f"pagellm {name}: {path}" for name, path in describe_paths().items()]
+
+
+def pytest_report_header(config) -> list[str]:
+    return _paths()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    terminalreporter.section("execution paths tested")
+    for line in _paths():
+        terminalreporter.write_line(line)

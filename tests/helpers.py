@@ -142,24 +142,29 @@ def hf_prompt_logits(hf_model: Any, prompt: list[int]) -> torch.Tensor:
 
 @torch.inference_mode()
 def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int,
-              return_logprobs: bool = False) -> Any:
+              return_logprobs: bool = False, return_logits: bool = False) -> Any:
     """transformers' greedy continuation of one unpadded prompt, EOS ignored.
 
     Runs the model's own incremental decoding (its KV cache, ``past_key_values``) one token at
     a time; ``generate`` is not used because it stops at EOS, which random models emit.
-    With ``return_logprobs``: (tokens, log-probability of each chosen token).
+    With ``return_logprobs``: (tokens, log-probability of each chosen token); with
+    ``return_logits`` as well: (tokens, logprobs, float32 logits [max_new_tokens, vocab]).
     """
     out = hf_model(torch.tensor([prompt]), use_cache=True)
     cache_arg = _cache_argument(hf_model)
     tokens: list[int] = []
     logprobs: list[float] = []
+    rows: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
         last = out.logits[0, -1].float()  # [vocab]
         token = int(last.argmax())
         tokens.append(token)
+        rows.append(last)
         logprobs.append(float(torch.log_softmax(last, -1)[token]))
         out = hf_model(torch.tensor([[token]]), use_cache=True,
                        **{cache_arg: out.past_key_values})
+    if return_logits:
+        return tokens, logprobs, torch.stack(rows)
     return (tokens, logprobs) if return_logprobs else tokens
 
 

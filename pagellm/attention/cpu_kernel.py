@@ -9,8 +9,12 @@ next to this file. It is an accelerator, not a requirement: without a C compiler
 devices, for float16, or with ``PAGELLM_CPU_KERNELS=0`` the torch path runs, and the tests hold
 all three to one reference.
 
-It is compiled with ``-march=native -fopenmp`` and cached by pagellm.native, which says where
-and how; its OpenMP threads are torch's.
+It is compiled for the ISA level of pagellm.native (``-march=native`` unless
+``$PAGELLM_CPU_ISA`` says otherwise) with ``-fopenmp`` and cached by pagellm.native, which says
+where and how; its OpenMP threads are torch's. Which inner loops a build has depends on the
+instructions the compiler was allowed: AVX-512 (``__AVX512F__``) for float32, AVX-512 with
+``avx512_bf16`` for bfloat16 dot products, plain C (auto-vectorised for whatever the level
+has: AVX2, SSE, NEON) otherwise.
 """
 from __future__ import annotations
 
@@ -22,10 +26,11 @@ import torch
 from pagellm import native
 
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
           "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _SOURCE = Path(__file__).with_name("paged_decode.c")  # the kernel's C source
+_WHAT = "CPU decode attention kernel"
 
 
 class _DecodeArgs(ctypes.Structure):
@@ -41,11 +46,13 @@ class _DecodeArgs(ctypes.Structure):
 class _Kernel:
     """The loaded library (or None after a failed build) and a reusable float32 workspace.
 
-    ``portable`` builds the plain-C inner loops only (no AVX-512), as on a CPU without them.
+    ``level`` is the ISA level built for (pagellm.native.ISA_LEVELS; None: native.isa_level());
+    ``portable`` builds the plain-C inner loops only (no AVX-512 intrinsics), as a CPU
+    without them, or another architecture, runs.
     """
 
-    def __init__(self, portable: bool = False) -> None:
-        self.portable = portable
+    def __init__(self, level: str | None = None, portable: bool = False) -> None:
+        self.level, self.portable = level, portable
         self.library: ctypes.CDLL | None = None
         self.tried = False
         self.workspace = torch.empty(0)
@@ -53,7 +60,7 @@ class _Kernel:
     def load(self) -> ctypes.CDLL | None:
         if not self.tried:
             self.tried = True
-            self.library = _build_and_load(self.portable)
+            self.library = _build_and_load(self.level, self.portable)
         return self.library
 
     def scratch(self, numel: int) -> torch.Tensor:
@@ -80,6 +87,17 @@ def vector_paths() -> dict[str, bool]:
     library = _KERNEL.load()
     features = library.paged_decode_features() if library is not None else 0
     return {"float32": bool(features & 1), "bfloat16": bool(features & 2)}
+
+
+def describe() -> str:
+    """One line for humans: which decode attention path runs on the CPU, and why."""
+    library = _KERNEL.load()
+    if library is None:
+        return f"torch (gather + scaled_dot_product_attention; kernel {native.status()[_WHAT]})"
+    paths = vector_paths()
+    loops = ", ".join(f"{dtype} {'AVX-512' + (' BF16' if dtype == 'bfloat16' else '')}"
+                      if vector else f"{dtype} plain C" for dtype, vector in paths.items())
+    return f"compiled paged kernel, {native.status()[_WHAT]}; {loops}"
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -142,9 +160,11 @@ def _pointer(x: torch.Tensor | None) -> int | None:
     return None if x is None else x.data_ptr()
 
 
-def _build_and_load(portable: bool) -> ctypes.CDLL | None:
+def _build_and_load(level: str | None, portable: bool) -> ctypes.CDLL | None:
     flags = _FLAGS + (["-DPAGELLM_PORTABLE"] if portable else [])
-    library = native.build_and_load(_SOURCE, flags, "CPU decode attention kernel")
+    variant = ", ".join([level] * bool(level) + ["portable"] * portable)
+    library = native.build_and_load(_SOURCE, flags, _WHAT + (f" [{variant}]" if variant else ""),
+                                    level)
     if library is not None:
         for suffix in _SUFFIX.values():
             getattr(library, "paged_decode_attention_" + suffix).argtypes = [

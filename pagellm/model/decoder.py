@@ -97,7 +97,7 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size]
         if (gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.stride(1) == 1
-                and cpu_ops.available(gate_up)):
+                and cpu_ops.available(gate_up, "silu_and_mul")):
             return self.down_proj(cpu_ops.silu_and_mul(gate_up))  # one pass, the same bits
         gate, up = gate_up.chunk(2, dim=-1)  # each [T, intermediate_size]
         return self.down_proj(F.silu(gate) * up)

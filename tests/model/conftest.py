@@ -43,10 +43,17 @@ class Reference:
 
     def greedy(self, prompt: list[int], dtype: torch.dtype = torch.float32,
                max_new_tokens: int = MAX_NEW_TOKENS) -> tuple[list[int], list[float]]:
+        tokens, logprobs, _ = self.greedy_logits(prompt, dtype, max_new_tokens)
+        return tokens, logprobs
+
+    def greedy_logits(self, prompt: list[int], dtype: torch.dtype = torch.float32,
+                      max_new_tokens: int = MAX_NEW_TOKENS
+                      ) -> tuple[list[int], list[float], torch.Tensor]:
+        """greedy() and the float32 logits [max_new_tokens, vocab] each token came from."""
         key = (tuple(prompt), dtype, max_new_tokens)
         if key not in self._greedy:
             self._greedy[key] = hf_greedy(self.model(dtype), prompt, max_new_tokens,
-                                          return_logprobs=True)
+                                          return_logits=True)
         return self._greedy[key]
 
     def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
@@ -82,3 +89,4 @@ def model_zoo(tmp_path_factory):
 @pytest.fixture(scope="session")
 def prompts() -> list[list[int]]:
     return random_prompts(PROMPT_LENGTHS, seed=1)
+

@@ -22,6 +22,7 @@ class GreedyResult:
     tokens: list[list[int]]  # generated tokens of each prompt
     prompt_logits: list[torch.Tensor | None]  # [len(prompt), vocab] when recorded
     logprobs: list[list[float]]  # log-probability of each generated token
+    logits: list[torch.Tensor]  # [generated, vocab] float32: the logits each token came from
     prefix_hits: list[int]  # prompt tokens served from cached blocks
     num_steps: int = 0
 
@@ -34,6 +35,7 @@ class _Seq:
     num_computed: int = 0
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
     prefix: PrefixMatch | None = None  # prefix-cache hit, used by the first allocation
 
 
@@ -77,7 +79,9 @@ class PagedGreedy:
             tokens=[s.token_ids[s.prompt_len:] for s in seqs],
             prompt_logits=[torch.cat(s.prompt_logits) if s.prompt_logits else None
                            for s in seqs],
-            logprobs=[s.logprobs for s in seqs], prefix_hits=hits, num_steps=steps)
+            logprobs=[s.logprobs for s in seqs],
+            logits=[torch.stack(s.logits) if s.logits else torch.empty(0) for s in seqs],
+            prefix_hits=hits, num_steps=steps)
 
     def _new_id(self) -> int:
         self._next_id += 1
@@ -112,6 +116,7 @@ class PagedGreedy:
         if last is not None:
             token = int(last.argmax())
             s.logprobs.append(float(torch.log_softmax(last, -1)[token]))
+            s.logits.append(last.float())
             s.token_ids.append(token)
         return row
 

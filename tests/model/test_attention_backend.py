@@ -11,8 +11,10 @@ import pytest
 import torch
 from attention_steps import make_step as make_attention_step
 
+from pagellm import native
 from pagellm.attention import AttentionMetadata, cpu_kernel
 from pagellm.attention.torch_backend import paged_attention, reference_paged_attention
+from kernel_builds import KERNEL_BUILDS, kernel_build
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 # (tokens already in the cache, tokens computed this step), prefills first
@@ -33,19 +35,15 @@ def make_step(batch, block_size, dtype):
                                spare_entry=True)
 
 
-_PORTABLE_KERNEL = cpu_kernel._Kernel(portable=True)
-
-
-@pytest.fixture(params=["kernel", "portable", "torch"])
+@pytest.fixture(params=[*KERNEL_BUILDS, "torch"])
 def decode_path(request, monkeypatch):
-    """Run decodes through the compiled CPU kernel (with this CPU's vector inner loops, or
-    the plain-C ones that other CPUs get), or force the pure-torch path."""
-    if request.param != "torch" and not cpu_kernel.available():
-        pytest.skip("no C compiler: the CPU decode kernel is not built")
-    if request.param == "portable":
-        monkeypatch.setattr(cpu_kernel, "_KERNEL", _PORTABLE_KERNEL)
+    """Run decodes through a build of the compiled CPU kernel (kernel_builds.py: this CPU's
+    vector loops, the plain-C ones, or those of an older x86 ISA level), or force the
+    pure-torch path."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernel, "supports", lambda query: False)
+    else:
+        monkeypatch.setattr(cpu_kernel, "_KERNEL", kernel_build(request.param))
     return request.param
 
 
@@ -162,17 +160,15 @@ def test_prefills_must_precede_decodes():
         AttentionMetadata.build([1, 5], [1, 5], [[0], [1]], 16)
 
 
-def test_vector_inner_loops_where_the_cpu_has_them():
-    """On a CPU with AVX-512 (and its bfloat16 dot products) the kernel must use them, so that
-    the tests above exercise the loops that run in production, not only the plain-C ones."""
-    if not cpu_kernel.available():
-        pytest.skip("no C compiler: the CPU decode kernel is not built")
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        pytest.skip("no /proc/cpuinfo")
-    paths = cpu_kernel.vector_paths()
-    assert paths["float32"] == ("avx512f" in flags)
-    assert paths["bfloat16"] == ("avx512f" in flags and "avx512_bf16" in flags)
-    assert _PORTABLE_KERNEL.load() is None or not _PORTABLE_KERNEL.load().paged_decode_features()
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
+def test_each_build_has_the_inner_loops_its_isa_allows(build):
+    """Each build uses the vector loops its instruction set has, so that the tests above
+    exercise the loops each kind of CPU runs: native ones where this CPU has AVX-512 (with
+    its bfloat16 dot products), AVX-512 float32 loops without the bfloat16 ones at
+    x86-64-v4, plain C at x86-64-v3 and in the portable build."""
+    library = kernel_build(build).load()
+    features = library.paged_decode_features()
+    flags = native.cpu_flags() if build == "native" else native.ISA_LEVELS.get(build, ("",
+                                                                               set()))[1]
+    assert bool(features & 1) == ("avx512f" in flags)
+    assert bool(features & 2) == ("avx512f" in flags and "avx512_bf16" in flags)

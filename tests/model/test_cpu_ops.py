@@ -11,7 +11,14 @@ from pagellm.model.layers import RMSNorm, RotaryEmbedding, cpu_ops
 from pagellm.model.layers.cpu_ops import _LIBRARY
 
 needs_kernel = pytest.mark.skipif(_LIBRARY.load() is None,
-                                  reason="no C compiler or unknown torch vector width")
+                                  reason="layer ops off here (see the report header)")
+
+
+def require(op: str, dtype: torch.dtype) -> None:
+    """Skip, saying so, where the load-time check found ``op`` not bit-identical to torch on
+    this CPU: the layers then run the torch op (test_an_op_that_differs_is_not_used)."""
+    if not cpu_ops.available(torch.empty(1, dtype=dtype), op):
+        pytest.skip(f"compiled {op} for {dtype} is not bit-identical to torch on this CPU")
 
 
 def norm_layer(n: int, dtype: torch.dtype, seed: int) -> RMSNorm:
@@ -34,6 +41,7 @@ def activations(rows: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tenso
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [17, 64, 128, 768, 896, 1000, 2048, 4096, 5120])
 def test_norm_is_bit_identical_to_the_torch_ops(dtype, n):
+    require("rms_norm", dtype)
     layer = norm_layer(n, dtype, seed=n)
     for rows in (1, 3, 64):
         x = activations(rows, n, dtype, seed=rows + n)
@@ -44,6 +52,7 @@ def test_norm_is_bit_identical_to_the_torch_ops(dtype, n):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [64, 768, 4096])
 def test_fused_residual_add_is_bit_identical(dtype, n):
+    require("rms_norm", dtype)
     layer = norm_layer(n, dtype, seed=1)
     x = activations(9, n, dtype, seed=2)
     residual = activations(9, n, dtype, seed=3)
@@ -59,6 +68,7 @@ def test_fused_residual_add_is_bit_identical(dtype, n):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_rotary_in_place_is_bit_identical(dtype, head_dim):
+    require("rotary", dtype)
     config = type("Config", (), {"max_position_embeddings": 4096, "rope_theta": 10000.0})()
     rope = RotaryEmbedding(head_dim, config)
     gen = torch.Generator().manual_seed(head_dim)
@@ -77,6 +87,7 @@ def test_rotary_in_place_is_bit_identical(dtype, head_dim):
 
 @needs_kernel
 def test_silu_and_mul_is_bit_identical_for_every_bfloat16_gate():
+    require("silu_and_mul", torch.bfloat16)
     every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     gate = every[torch.isfinite(every.float())]  # 65,280 values
     gen = torch.Generator().manual_seed(9)
@@ -102,3 +113,30 @@ def test_views_and_other_dtypes_take_the_torch_ops():
     assert layer(torch.empty(0, 32, dtype=torch.bfloat16)).shape == (0, 32)
     assert not RotaryEmbedding.rotates_in_place(torch.empty(3, 2, 32, dtype=torch.float16))
     assert not RotaryEmbedding.rotates_in_place(q.transpose(1, 2))  # head_dim not contiguous
+
+
+@needs_kernel
+def test_an_op_that_differs_is_not_used(monkeypatch, caplog):
+    """The load-time check disables, one by one, ops that do not reproduce torch's bits (as
+    on a CPU whose torch SiLU or sum rounds otherwise), and the layers fall back."""
+    monkeypatch.setattr(cpu_ops, "_silu_matches", lambda: False)
+    fresh = cpu_ops._Library()
+    monkeypatch.setattr(cpu_ops, "_LIBRARY", fresh)
+    with caplog.at_level("INFO", logger="pagellm"):
+        assert fresh.load() is not None
+    assert ("silu_and_mul", torch.bfloat16) not in fresh.enabled
+    assert ("rms_norm", torch.bfloat16) in fresh.enabled or fresh.lanes == 0
+    assert "compiled silu_and_mul for torch.bfloat16 differs" in caplog.text
+    gate_up = activations(4, 64, torch.bfloat16, seed=1)
+    assert not cpu_ops.available(gate_up, "silu_and_mul")
+    mlp_input = torch.randn(4, 64).bfloat16()
+    from pagellm.model.decoder import DecoderMLP
+    config = type("Config", (), {"hidden_act": "silu", "intermediate_size": 32,
+                                 "hidden_size": 64})()
+    spec = type("Spec", (), {"mlp_bias": False})()
+    mlp = DecoderMLP(config, spec)
+    for param in mlp.parameters():
+        param.data.normal_(0, 0.1, generator=torch.Generator().manual_seed(2))
+    mlp = mlp.to(torch.bfloat16)
+    gate, up = mlp.gate_up_proj(mlp_input).chunk(2, dim=-1)
+    assert torch.equal(mlp(mlp_input), mlp.down_proj(F.silu(gate) * up))

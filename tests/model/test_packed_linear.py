@@ -90,3 +90,34 @@ def test_load_model_packs_on_the_cpu(tmp_path, architecture, tied):
     tokens = torch.tensor([1, 5, 9])
     hidden = model.model.embed_tokens(tokens)
     assert torch.equal(model.compute_logits(hidden), plain.compute_logits(hidden))
+
+
+@needs_onednn
+@pytest.mark.parametrize("failure", ["reorder", "call", "wrong_result"])
+def test_a_failing_private_op_leaves_the_model_on_f_linear(tmp_path, monkeypatch, caplog,
+                                                           failure):
+    """Packing rests on torch's private mkldnn ops: if one is missing, raises, or computes
+    something else (another torch build), load_model keeps F.linear, says so once, and the
+    model's outputs are those of the unpacked model."""
+    from pagellm.model.layers import linear as linear_module
+
+    def broken(*args):
+        raise RuntimeError("no such op in this torch build")
+
+    if failure == "reorder":
+        monkeypatch.setattr(linear_module, "_reorder_weight", broken)
+    elif failure == "call":
+        monkeypatch.setattr(linear_module, "_packed_linear", broken)
+    else:
+        real = linear_module._packed_linear
+        monkeypatch.setattr(linear_module, "_packed_linear",
+                            lambda x, packed, bias: real(x, packed, bias) * 1.5)
+    path = make_tiny_model(tmp_path, "LlamaForCausalLM", seed=4)
+    with caplog.at_level("WARNING", logger="pagellm"):
+        model, _ = load_model(path, dtype=torch.float32)
+    assert all(m.packed_weight is None and m.weight.numel() > 0
+               for m in model.modules() if isinstance(m, Linear))
+    assert caplog.text.count("linear layers stay unpacked (F.linear runs)") == 1
+    plain, _ = load_model(path, dtype=torch.float32, pack_weights=False)
+    hidden = model.model.embed_tokens(torch.tensor([1, 5, 9]))
+    assert torch.equal(model.compute_logits(hidden), plain.compute_logits(hidden))

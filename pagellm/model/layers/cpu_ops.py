@@ -2,22 +2,29 @@
 rotary embedding in place, and (bfloat16) SiLU-and-multiply, bit-identical to the torch ops
 they replace.
 
-They accelerate, never decide: ``available(x)`` is False off the CPU, for other dtypes, without
-a C compiler (see pagellm.native), and where torch's float32 sum order cannot be reproduced;
-the layers then run their torch ops.
+They accelerate, never decide: ``available(x, op)`` is False off the CPU, for other dtypes,
+without a C compiler (see pagellm.native), and for any op that is not bit-identical to its
+torch op on this CPU with this torch build (checked when the library loads: torch's float32
+sum order and its vectorised SiLU depend on the ISA its kernels run); the layers then run
+their torch ops.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from pagellm import native
 
+logger = logging.getLogger("pagellm")
+
 _SOURCE = Path(__file__).with_name("cpu_ops.c")
+WHAT = "CPU layer ops"  # its name in native.status()
 # no -ffast-math family flag and no FMA contraction: every rounding must be torch's
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _CANDIDATE_LANES = (8, 16, 4)  # floats per vector of torch's CPU sum (AVX2, AVX-512, NEON)
 
@@ -41,35 +48,116 @@ class _SiluArgs(ctypes.Structure):
 
 
 class _Library:
-    """cpu_ops.c, built on first use; ``lanes`` is torch's sum vector width (0: unknown)."""
+    """cpu_ops.c, built on first use, and which of its ops reproduce the torch ops here.
 
-    def __init__(self) -> None:
+    ``lanes`` is torch's float32 sum vector width (0: unknown, and then RMSNorm stays off).
+    Each op is compared with the torch op it replaces when the library loads, on this CPU,
+    with this torch build, for each dtype: how torch rounds (its vectorised SiLU, its sum
+    order) depends on the ISA its kernels were dispatched for, so an op is used only where it
+    is bit-identical here. ``enabled`` holds the (op, dtype) pairs that passed.
+    """
+
+    def __init__(self, level: str | None = None) -> None:
+        self.level = level  # ISA level (pagellm.native); None: native.isa_level()
         self.library: ctypes.CDLL | None = None
         self.tried = False
         self.lanes = 0
+        self.enabled: set[tuple[str, torch.dtype]] = set()
 
     def load(self) -> ctypes.CDLL | None:
         if not self.tried:
             self.tried = True
-            library = native.build_and_load(_SOURCE, _FLAGS, "CPU layer ops")
+            what = WHAT + (f" [{self.level}]" if self.level else "")
+            library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
             if library is not None:
-                for suffix in _SUFFIX.values():
-                    getattr(library, "rms_norm_" + suffix).argtypes = [ctypes.POINTER(_RMSArgs)]
-                    getattr(library, "rotary_" + suffix).argtypes = [ctypes.POINTER(_RopeArgs)]
-                library.row_sum_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-                library.row_sum_f32.restype = ctypes.c_float
-                library.silu_and_mul_bf16.argtypes = [ctypes.POINTER(_SiluArgs)]
-                library.silu_table_init()
+                _declare(library)
+                self.library = library
                 self.lanes = _torch_sum_lanes(library)
-                self.library = library if self.lanes else None
+                self.enabled = _verified_ops(self.lanes)
+                self.library = library if self.enabled else None
         return self.library
 
 
 _LIBRARY = _Library()
+_OPS = ("rms_norm", "rotary", "silu_and_mul")
 
 
-def available(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in _SUFFIX and _LIBRARY.load() is not None
+def _declare(library: ctypes.CDLL) -> None:
+    for suffix in _SUFFIX.values():
+        getattr(library, "rms_norm_" + suffix).argtypes = [ctypes.POINTER(_RMSArgs)]
+        getattr(library, "rotary_" + suffix).argtypes = [ctypes.POINTER(_RopeArgs)]
+    library.row_sum_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    library.row_sum_f32.restype = ctypes.c_float
+    library.silu_and_mul_bf16.argtypes = [ctypes.POINTER(_SiluArgs)]
+    library.silu_table_init()
+
+
+def available(x: torch.Tensor, op: str) -> bool:
+    """Whether ``op`` (one of _OPS) runs compiled for x: on the CPU, in a dtype where it was
+    verified bit-identical to the torch op at load."""
+    return (x.device.type == "cpu" and x.dtype in _SUFFIX and _LIBRARY.load() is not None
+            and (op, x.dtype) in _LIBRARY.enabled)
+
+
+def enabled_ops() -> list[str]:
+    """``op/dtype`` of every compiled op in use, e.g. ``rms_norm/bfloat16`` (loads the
+    library)."""
+    _LIBRARY.load()
+    return sorted(f"{op}/{str(dtype).removeprefix('torch.')}" for op, dtype in _LIBRARY.enabled)
+
+
+def _verified_ops(lanes: int) -> set[tuple[str, torch.dtype]]:
+    """The (op, dtype) pairs whose output equals the torch op's bit for bit on probe data
+    (every finite bfloat16 gate for SiLU)."""
+    from pagellm.model.layers.norm import RMSNorm
+    from pagellm.model.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(0)
+    checks = {"rotary": lambda dtype: _rotary_matches(RotaryEmbedding.apply, dtype, gen)}
+    if lanes:  # without torch's sum order RMSNorm cannot match
+        checks["rms_norm"] = lambda dtype: _rms_matches(RMSNorm, dtype, gen)
+    passed = {(op, dtype) for op, check in checks.items() for dtype in _SUFFIX
+              if check(dtype)}
+    if _silu_matches():
+        passed.add(("silu_and_mul", torch.bfloat16))
+    for op in _OPS:
+        for dtype in ((torch.bfloat16,) if op == "silu_and_mul" else _SUFFIX):
+            if (op, dtype) not in passed:
+                logger.info("compiled %s for %s differs from the torch op on this CPU "
+                            "(or torch build): the torch op runs", op, dtype)
+    return passed
+
+
+def _rms_matches(norm_class: type, dtype: torch.dtype, gen: torch.Generator) -> bool:
+    for n in (17, 64, 576, 896, 4096):
+        layer = norm_class(n, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            layer.weight.copy_(torch.rand(n, generator=gen) * 0.4 + 0.8)
+        x = (torch.randn(5, n, generator=gen) * 3).to(dtype)
+        residual = (torch.randn(5, n, generator=gen) * 30).to(dtype)
+        stream = residual.clone()
+        if not (torch.equal(rms_norm(x, None, layer.weight, layer.eps), layer._norm(x))
+                and torch.equal(rms_norm(x, stream, layer.weight, layer.eps),
+                                layer._norm(residual + x))
+                and torch.equal(stream, residual + x)):
+            return False
+    return True
+
+
+def _rotary_matches(reference, dtype: torch.dtype, gen: torch.Generator) -> bool:
+    tokens, heads, head_dim = 7, 3, 64
+    angles = torch.rand(tokens, head_dim, generator=gen) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    x = (torch.randn(tokens, heads, head_dim, generator=gen) * 3).to(dtype)
+    expected = reference(x, cos[:, None], sin[:, None])
+    return torch.equal(rotary_(x.clone(), cos, sin), expected)
+
+
+def _silu_matches() -> bool:
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = every[torch.isfinite(every.float())]  # 65,280 values
+    gate_up = torch.cat([gate.view(255, 256), torch.ones(255, 256, dtype=torch.bfloat16)], 1)
+    return torch.equal(silu_and_mul(gate_up), F.silu(gate_up[:, :256]))
 
 
 def _torch_sum_lanes(library: ctypes.CDLL) -> int:

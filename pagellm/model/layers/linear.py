@@ -9,8 +9,9 @@ of names: it maps ``q_proj`` -> (``qkv_proj``, "q") and calls the loader.
 On the CPU, once the weights are loaded, ``pack_linear_weights`` re-lays every weight out in
 oneDNN's blocked format once (torch's own bfloat16 matmul runs the same oneDNN kernel but
 reorders the weight on every call; its float32 matmul goes to MKL): 1.05-2x faster in bfloat16
-with the same output bits, 1.1-3.7x in float32, by number of rows (docs/BENCHMARKS.md, "Packed
-weights").
+(the same output bits on the AVX-512 CPUs measured; oneDNN may pick other kernels, and another
+summation order, on other CPUs), 1.1-3.7x in float32, by number of rows (docs/BENCHMARKS.md,
+"Packed weights").
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, set by pack()
+        self.pack_failure: str | None = None  # why pack() could not, when it tried
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
@@ -55,26 +57,31 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
-                                                      [None], "")
+            return _packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack(self, keep_weight: bool = False) -> bool:
         """Re-lay the loaded weight out for oneDNN's CPU GEMM; False where that is unavailable.
 
-        Without ``keep_weight`` the plain weight is released (replaced by an empty tensor of
-        the same dtype): the packed copy replaces it, so memory does not double. Keep it when
-        another module reads the same tensor (an lm_head tied to the embedding). Weights can
-        no longer be loaded into a packed layer.
+        The packed path rests on torch's private mkldnn ops, so it is taken only after a probe
+        call on this layer ran and agreed with F.linear (within the dtype's rounding): another
+        torch build, a missing op or a CPU oneDNN cannot serve leaves the layer on F.linear,
+        with one log line (pack_linear_weights). Without ``keep_weight`` the plain weight is released (replaced by
+        an empty tensor of the same dtype): the packed copy replaces it, so memory does not
+        double. Keep it when another module reads the same tensor (an lm_head tied to the
+        embedding). Weights can no longer be loaded into a packed layer.
         """
         weight = self.weight
         if (weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES
                 or not torch.backends.mkldnn.is_available()):
             return False
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        except (RuntimeError, AttributeError) as exc:  # e.g. no bfloat16 support in oneDNN
-            logger.debug("linear weights stay unpacked: %s", exc)
+            packed = _reorder_weight(weight.detach())
+            _check_packed(packed, weight, self.bias)
+        except Exception as exc:  # any failure of a private op: stay on the public one
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            self.pack_failure = f"{type(exc).__name__}: {first_line}"
+            logger.debug("%s stays unpacked: %s", self.extra_repr(), self.pack_failure)
             return False
         self.packed_weight = packed
         if not keep_weight:
@@ -86,14 +93,47 @@ class Linear(nn.Module):
                 + (", packed" if self.packed_weight is not None else ""))
 
 
+def _reorder_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+
+
+def _check_packed(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Raise unless the packed call runs and is about as accurate as F.linear on a probe
+    input: its error against a float64 matmul at most 4x F.linear's (oneDNN may add in
+    another order than torch's matmul), or 4 units of the dtype's last place at the output's
+    scale, whichever is larger."""
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn(3, weight.shape[1], generator=gen).to(weight.dtype)
+    got, expected = _packed_linear(probe, packed, bias), F.linear(probe, weight, bias)
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        raise RuntimeError(f"packed output {tuple(got.shape)} {got.dtype} differs from "
+                           f"F.linear's {tuple(expected.shape)} {expected.dtype}")
+    exact = F.linear(probe.double(), weight.double(), None if bias is None else bias.double())
+    error, torch_error = ((out.double() - exact).abs().max().item() for out in (got, expected))
+    bound = max(4 * torch_error, 4 * torch.finfo(weight.dtype).eps * exact.abs().max().item())
+    if not error <= bound:
+        raise RuntimeError(f"packed output is off by {error:.3g} (bound {bound:.3g})")
+
+
 def pack_linear_weights(model: nn.Module, shared: Collection[int] = ()) -> int:
-    """Pack every Linear of a loaded CPU model (see Linear.pack); returns how many were.
+    """Pack every Linear of a loaded CPU model (see Linear.pack); returns how many were, and
+    logs one warning when some packing failed.
 
     ``shared``: ids of weight tensors that other modules also read (tied embeddings), which
     are packed but kept.
     """
-    return sum(module.pack(keep_weight=id(module.weight) in shared)
-               for module in model.modules() if isinstance(module, Linear))
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    packed = sum(module.pack(keep_weight=id(module.weight) in shared) for module in linears)
+    failures = [module.pack_failure for module in linears if module.pack_failure]
+    if failures:
+        logger.warning("%d of %d linear layers stay unpacked (F.linear runs): %s",
+                       len(failures), len(linears), failures[0])
+    return packed
 
 
 class MergedLinear(Linear):

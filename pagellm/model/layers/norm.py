@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
                 and (residual is None or (residual.shape == x.shape
                                           and residual.dtype == x.dtype
                                           and residual.is_contiguous()))
-                and cpu_ops.available(x))
+                and cpu_ops.available(x, "rms_norm"))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -97,7 +97,7 @@ class RotaryEmbedding(nn.Module):
     def rotates_in_place(x: torch.Tensor) -> bool:
         """Whether apply_ can rotate x (a view into the qkv projection) in place on the CPU."""
         return (x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-                and x.shape[2] % 2 == 0 and cpu_ops.available(x))
+                and x.shape[2] % 2 == 0 and cpu_ops.available(x, "rotary"))
 
     @staticmethod
     def apply_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
