@@ -46,9 +46,11 @@ _logged: set[str] = set()
 
 
 def cache_dir() -> Path:
-    """Where pagellm keeps what it builds (kernels, built-in benchmark models):
-    ``$PAGELLM_CACHE_DIR``, default ``~/.cache/pagellm``."""
-    return Path(os.environ.get("PAGELLM_CACHE_DIR") or "~/.cache/pagellm").expanduser()
+    """Where pagellm keeps what it builds (kernels, built-in random-weight models):
+    ``$PAGELLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagellm``, else ``~/.cache/pagellm``."""
+    root = os.environ.get("PAGELLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "pagellm")
+    return Path(root).expanduser()
 
 
 def isa_level() -> str:

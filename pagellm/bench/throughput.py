@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagellm import native
 from pagellm.bench.timeline import RunResult, Timeline
 from pagellm.bench.workloads import BenchRequest
 
@@ -23,9 +24,7 @@ BUILTIN_MODELS = ("tiny", "small")
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("PAGELLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pagellm")
-    return Path(root)
+    return native.cache_dir()
 
 
 def resolve_model(name: str, cache_dir: str | Path | None = None) -> str:

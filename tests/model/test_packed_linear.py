@@ -89,7 +89,9 @@ def test_load_model_packs_on_the_cpu(tmp_path, architecture, tied):
     assert all(m.packed_weight is None for m in plain.modules() if isinstance(m, Linear))
     tokens = torch.tensor([1, 5, 9])
     hidden = model.model.embed_tokens(tokens)
-    assert torch.equal(model.compute_logits(hidden), plain.compute_logits(hidden))
+    # bit-identical on the AVX-512 CPUs measured; oneDNN may sum in another order elsewhere
+    torch.testing.assert_close(model.compute_logits(hidden), plain.compute_logits(hidden),
+                               atol=2e-2, rtol=2e-2)
 
 
 @needs_onednn

@@ -91,7 +91,7 @@ def test_concurrent_requests_share_steps_and_loop_stays_responsive(tokenizer):
         return worst
 
     async def main():
-        engine, fake = make(tokenizer, step_delay=0.1)
+        engine, fake = make(tokenizer, step_delay=0.25)
         engine.start()
         stop = asyncio.Event()
         tick = asyncio.ensure_future(ticker(stop))
@@ -105,7 +105,9 @@ def test_concurrent_requests_share_steps_and_loop_stays_responsive(tokenizer):
     assert all(o.finished and len(o.outputs[0].token_ids) == 8 for o in outs)
     assert max(fake.step_sizes) >= 10  # many clients in one batched step
     assert fake.num_steps < 20 * 8 / 2
-    assert worst < 0.06  # the 100 ms steps run off the event loop
+    # the 250 ms steps run off the event loop: a loop that ran them would stall >= 250 ms
+    # between ticks; 150 ms leaves room for a loaded machine's scheduling delays
+    assert worst < 0.15
 
 
 def test_release_mid_stream_aborts_and_frees_blocks(tokenizer):

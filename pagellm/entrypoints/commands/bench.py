@@ -38,7 +38,7 @@ def _add_common(p: argparse.ArgumentParser, model: str, dtype: str = "bfloat16")
     p.add_argument("--dtype", default=dtype, choices=("bfloat16", "float32", "float16"),
                    help=f"weights, activations and KV cache (default {dtype})")
     p.add_argument("--cache-dir", default=None,
-                   help="where built-in models are built (default $PAGELLM_CACHE or "
+                   help="where built-in models are built (default $PAGELLM_CACHE_DIR or "
                         "~/.cache/pagellm)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--output-json", default=None, metavar="FILE",
