@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
                    help="tiny, small (random weights), a model folder, a .gguf file or a hub "
                         f"id (default: SmolLM2-135M-Instruct from {DEMO_PACKAGE})")
     p.add_argument("--cache-dir", default=None,
-                   help="where the random-weight models are built (default: $PAGELLM_CACHE or "
+                   help="where the random-weight models are built (default: $PAGELLM_CACHE_DIR or "
                         "~/.cache/pagellm)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="requests (default: one per question, 8; 16 on random weights)")
