@@ -41,6 +41,10 @@ class EngineArgs:
     kv_allocator: str = "paged"
     allow_pickle_weights: bool = False
     watermark: float = 0.01
+    # "auto": the model's generation_config.json gives the default temperature/top_p/top_k/
+    # min_p/repetition_penalty of requests that do not set them; "vllm": the engine's own
+    # defaults; or a folder holding a generation_config.json (see model/generation_config.py).
+    generation_config: str = "auto"
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field, its value and its limit."""
@@ -75,6 +79,9 @@ class EngineArgs:
         _choice("kv_allocator", self.kv_allocator, ("paged", "contiguous"))
         _check(isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1,
                "watermark", self.watermark, "must be in [0, 1)")
+        _check(isinstance(self.generation_config, str) and self.generation_config != "",
+               "generation_config", self.generation_config,
+               "must be 'auto', 'vllm' or a folder holding generation_config.json")
 
     @property
     def swap_space_bytes(self) -> int:

@@ -8,9 +8,11 @@ error inside a batched engine step that also serves other requests.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
@@ -39,6 +41,10 @@ class SamplingParams:
     ``stop_token_ids`` are lists (possibly empty); ``top_k`` is 0 when disabled (-1 is accepted
     as vLLM's older spelling and stored as 0); ``max_tokens`` is None only when the engine is to
     fill it in from the model's context length.
+
+    The object remembers which fields its creator passed (``user_set_fields``), so that the
+    model's recommended values (generation_config.json) fill in only the others
+    (``with_defaults``), as vLLM's ``generation_config="auto"`` does.
     """
 
     n: int = 1
@@ -60,6 +66,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    user_set_fields: frozenset[str] = field(default=frozenset(), init=False, repr=False,
+                                            compare=False)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -81,6 +89,18 @@ class SamplingParams:
         if not self.stop or self.include_stop_str_in_output:
             return 0
         return max(len(s) for s in self.stop) - 1
+
+    def with_defaults(self, defaults: dict[str, Any]) -> SamplingParams:
+        """A validated copy in which every field of ``defaults`` that the creator did not set
+        takes the default's value (e.g. the model's recommended temperature); ``self`` when
+        there is nothing to fill in."""
+        missing = {k: v for k, v in defaults.items() if k not in self.user_set_fields}
+        if not missing:
+            return self
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        updated = SamplingParams(**{**values, **missing})
+        updated.user_set_fields = self.user_set_fields
+        return updated
 
     def clone(self) -> SamplingParams:
         """A deep copy: the engine may adjust a request's copy (e.g. resolve ``max_tokens``)
@@ -153,6 +173,21 @@ class SamplingParams:
             _require("stop", s, len(s) > 0, "must not contain empty strings")
         for t in self.stop_token_ids:
             _require("stop_token_ids", t, t >= 0, "must contain non-negative token ids")
+
+
+def _record_user_set_fields(init):
+    """Wrap the dataclass ``__init__`` so that an object knows which fields were passed."""
+    names = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.user_set_fields = frozenset(names[:len(args)]) | frozenset(kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _record_user_set_fields(SamplingParams.__init__)
 
 
 def _require(name: str, value: Any, ok: bool, limit: str) -> None:

@@ -48,7 +48,9 @@ class LLMEngine:
         self.scheduler = c.scheduler
         self.num_gpu_blocks = c.num_gpu_blocks
         self.num_cpu_blocks = c.num_cpu_blocks
-        self.output_processor = OutputProcessor(self.tokenizer, self.hf_config, self.max_model_len)
+        self.default_sampling = c.default_sampling
+        self.output_processor = OutputProcessor(self.tokenizer, self.hf_config,
+                                                self.max_model_len, c.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         self.stats = StatsTracker()
@@ -75,8 +77,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None,
                     cache_salt: str | None = None) -> None:
-        """Queue a request. Raises ValueError for anything that could never run."""
-        params = params or SamplingParams()
+        """Queue a request. Raises ValueError for anything that could never run.
+
+        Fields of ``params`` the caller did not set take the model's recommended values
+        (``default_sampling``, from generation_config.json)."""
+        params = (params or SamplingParams()).with_defaults(self.default_sampling)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)

@@ -17,6 +17,7 @@ import torch
 from pagellm.config import CPU_KV_CACHE_RAM_SHARE, EngineArgs
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.kv import ContiguousKVCacheManager, KVCacheManager
+from pagellm.model.generation_config import load_generation_defaults
 from pagellm.model.loader import (get_tokenizer, load_config, load_model, resolve_dtype,
                                   resolve_model_path)
 from pagellm.worker.cache_engine import CacheEngine
@@ -39,6 +40,11 @@ class EngineComponents:
     runner: ModelRunner
     sampler: Sampler
     scheduler: Scheduler
+    # SamplingParams field -> the model's recommended value (generation_config.json)
+    default_sampling: dict[str, Any]
+    # every token that ends a sequence: the tokenizer's EOS, the config's, the generation
+    # config's (computed once: the sampler and the output processor must agree)
+    eos_token_ids: frozenset[int]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,6 +88,8 @@ def build_components(args: EngineArgs) -> EngineComponents:
     model, hf_config = load_model(path, dtype=dtype, device=device,
                                   allow_pickle=args.allow_pickle_weights)
     tokenizer = get_tokenizer(args.tokenizer or path)
+    generation = load_generation_defaults(path, args.generation_config)
+    eos_token_ids = _eos_token_ids(tokenizer, hf_config) | generation.eos_token_ids
     max_model_len = resolve_max_model_len(args, hf_config)
     budget = args.resolve_max_num_batched_tokens(max_model_len)
     block_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype)
@@ -94,13 +102,25 @@ def build_components(args: EngineArgs) -> EngineComponents:
     cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size, dtype,
                                device)
     runner = ModelRunner(model, cache_engine, device)
-    sampler = Sampler(hf_config.vocab_size, getattr(tokenizer, "eos_token_id", None))
+    sampler = Sampler(hf_config.vocab_size, eos_token_ids)
     scheduler = Scheduler(SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode, policy=args.scheduling_policy), kv)
     return EngineComponents(device, hf_config, tokenizer, max_model_len, num_gpu_blocks,
-                            num_cpu_blocks, kv, cache_engine, runner, sampler, scheduler)
+                            num_cpu_blocks, kv, cache_engine, runner, sampler, scheduler,
+                            generation.sampling, eos_token_ids)
+
+
+def _eos_token_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(tokenizer, "eos_token_id", None),
+                   getattr(hf_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(t) for t in source)
+    return frozenset(ids)
 
 
 def _make_kv_manager(args: EngineArgs, num_gpu_blocks: int, num_cpu_blocks: int,

@@ -18,10 +18,12 @@ class OutputProcessor:
     why (vLLM's order: EOS and stop tokens once min_tokens is met, then stop strings, then
     length), and build the user-facing outputs."""
 
-    def __init__(self, tokenizer: Any, hf_config: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, hf_config: Any, max_model_len: int,
+                 eos_token_ids: frozenset[int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.eos_token_ids = _eos_token_ids(tokenizer, hf_config)
+        self.eos_token_ids = (eos_token_ids if eos_token_ids is not None
+                              else _eos_token_ids(tokenizer, hf_config))
         self._decoded: dict[int, str] = {}
 
     def new_detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:

@@ -31,6 +31,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling params runs with: the engine's defaults, overridden
+        by the model's generation_config.json unless ``generation_config="vllm"``."""
+        return SamplingParams().with_defaults(self.llm_engine.default_sampling)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import chain
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -65,9 +65,11 @@ class Sampler:
     history and its generator's state only.
     """
 
-    def __init__(self, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, vocab_size: int, eos_token_id: int | Iterable[int] | None) -> None:
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        # every token that ends a sequence (a model may have several: Llama 3's <|eot_id|>)
+        self.eos_token_ids = ((eos_token_id,) if isinstance(eos_token_id, int)
+                              else tuple(sorted(eos_token_id or ())))
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Models may pad the output projection beyond the tokenizer's vocabulary.
@@ -123,8 +125,8 @@ class Sampler:
             if p.min_tokens == 0 or len(meta.output_token_ids[i]) >= p.min_tokens:
                 continue
             stops = list(p.stop_token_ids)
-            if not p.ignore_eos and self.eos_token_id is not None:
-                stops.append(self.eos_token_id)
+            if not p.ignore_eos:
+                stops.extend(self.eos_token_ids)
             stops = [t for t in stops if t < self.vocab_size]
             rows.extend([i] * len(stops))
             tokens.extend(stops)

@@ -37,6 +37,10 @@ HELP = {
     "kv_allocator": "paged, or contiguous (the max-length reservation baseline)",
     "allow_pickle_weights": "allow loading pickled (.bin/.pt) weights: runs code from the file",
     "watermark": "fraction of KV blocks kept free when admitting new requests",
+    "generation_config": "auto: the model's generation_config.json sets the default "
+                         "temperature, top_p, top_k, min_p and repetition_penalty; vllm: the "
+                         "engine's own defaults; or a folder holding generation_config.json "
+                         "(default: auto)",
 }
 POSITIONAL = ("model",)
 

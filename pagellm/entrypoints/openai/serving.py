@@ -62,23 +62,23 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
                        "stream_options")
     values = dict(
         n=req.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
-        top_k=_default(req.top_k, 0), min_p=_default(req.min_p, 0.0),
-        presence_penalty=_default(req.presence_penalty, 0.0),
-        frequency_penalty=_default(req.frequency_penalty, 0.0),
-        repetition_penalty=_default(req.repetition_penalty, 1.0), seed=req.seed,
-        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+        seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens)
+    # Only the sampling values the client sent: the others stay unset, so that the engine
+    # gives them the model's recommended values (generation_config.json) or its own defaults.
+    values.update({name: getattr(req, name) for name in _OPTIONAL_SAMPLING_FIELDS
+                   if getattr(req, name) is not None})
     try:
         return SamplingParams(**values)
     except ValueError as exc:
         raise api_error_from_exception(exc) from exc
 
 
-def _default(value: Any, default: Any) -> Any:
-    return default if value is None else value
+_OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                             "frequency_penalty", "repetition_penalty")
 
 
 async def add_requests(ctx: ServerContext, requests: list[NewRequest]) -> OutputStream:
