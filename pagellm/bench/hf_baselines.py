@@ -29,8 +29,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def load_hf_model(path: str | Path, dtype: str = "bfloat16"):
     from transformers import AutoModelForCausalLM
 
+    from pagellm.model.gguf_config import is_gguf_file
+
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
+    if is_gguf_file(path):  # transformers dequantizes GGUF files itself (needs accelerate)
+        path = Path(path)
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                    dtype=_DTYPES[dtype]).eval()
     return AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype]).eval()
 
 

@@ -34,7 +34,7 @@ TARGETS = {"paged_waste_max": 0.04, "contiguous_waste_min": 0.60, "concurrency_r
 
 @dataclass(slots=True)
 class MemoryExperimentConfig:
-    model: str  # a model folder
+    model: str  # a model folder or a .gguf file
     dtype: str = "bfloat16"
     block_size: int = 16
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -75,8 +75,13 @@ class Budget:
 
 def resolve_budget(config: MemoryExperimentConfig) -> Budget:
     from pagellm.kv.memory import KVMemoryModel
+    from pagellm.model.gguf_config import is_gguf_file, load_gguf_config
 
-    memory = KVMemoryModel.from_model_dir(config.model, dtype=config.dtype)
+    if is_gguf_file(config.model):
+        memory = KVMemoryModel.from_hf_config(load_gguf_config(config.model).to_dict(),
+                                              dtype=config.dtype, name=str(config.model))
+    else:
+        memory = KVMemoryModel.from_model_dir(config.model, dtype=config.dtype)
     max_model_len = config.max_model_len or memory.max_model_len
     if max_model_len is None:
         raise ValueError("the model config has no max_position_embeddings: pass --max-model-len")

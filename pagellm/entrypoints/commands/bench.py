@@ -33,8 +33,8 @@ def add_parser(subparsers) -> None:
 
 def _add_common(p: argparse.ArgumentParser, model: str, dtype: str = "bfloat16") -> None:
     p.add_argument("--model", default=model,
-                   help=f"'tiny', 'small' (built-in random weights) or a model folder "
-                        f"(default {model})")
+                   help=f"'tiny', 'small' (built-in random weights), a model folder or a .gguf "
+                        f"file (default {model})")
     p.add_argument("--dtype", default=dtype, choices=("bfloat16", "float32", "float16"),
                    help=f"weights, activations and KV cache (default {dtype})")
     p.add_argument("--cache-dir", default=None,
@@ -73,11 +73,9 @@ def _prepare(args: argparse.Namespace) -> str:
 
 
 def _vocab(model: str) -> tuple[int, Any]:
-    from transformers import AutoConfig
+    from pagellm.model.loader import get_tokenizer, load_config
 
-    from pagellm.model.loader import get_tokenizer
-
-    return AutoConfig.from_pretrained(model).vocab_size, get_tokenizer(model)
+    return load_config(model).vocab_size, get_tokenizer(model)
 
 
 def _emit(report: dict[str, Any], output_json: str | None, drop: tuple[str, ...] = ()) -> None:
