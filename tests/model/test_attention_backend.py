@@ -168,7 +168,8 @@ def test_each_build_has_the_inner_loops_its_isa_allows(build):
     x86-64-v4, plain C at x86-64-v3 and in the portable build."""
     library = kernel_build(build).load()
     features = library.paged_decode_features()
-    flags = native.cpu_flags() if build == "native" else native.ISA_LEVELS.get(build, ("",
-                                                                               set()))[1]
+    level = native.isa_level() if build == "native" else build  # $PAGELLM_CPU_ISA may be set
+    flags = native.cpu_flags() if level == "native" else native.ISA_LEVELS.get(level,
+                                                                               ("", set()))[1]
     assert bool(features & 1) == ("avx512f" in flags)
     assert bool(features & 2) == ("avx512f" in flags and "avx512_bf16" in flags)

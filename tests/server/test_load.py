@@ -31,8 +31,11 @@ def test_disconnect_mid_stream_frees_blocks_at_once(server):
             request_id = json.loads(first[len("data: "):])["id"]
             for _ in range(3):
                 next(lines)
-            during = get_stats(server)
-            assert _seq_ids_of(during, request_id), "the running request holds blocks"
+            # /stats is a snapshot the engine loop refreshes between steps: poll (bounded)
+            deadline = time.monotonic() + 10
+            while not _seq_ids_of(during := get_stats(server), request_id):
+                assert time.monotonic() < deadline, "the running request never held blocks"
+                time.sleep(0.02)
             assert during["num_free_blocks"] < during["num_blocks"]
         # Leaving the block closes the connection in mid-stream.
         closed_at = time.monotonic()
