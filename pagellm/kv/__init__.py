@@ -16,7 +16,8 @@ from pagellm.kv.block_pool import (
 )
 from pagellm.kv.block_table import BlockTable, cdiv, compute_slot_mapping
 from pagellm.kv.contiguous import ContiguousKVCacheManager, FreeExtents
-from pagellm.kv.interface import NO_PREFIX, BlockCopies, KVCacheStats, PrefixMatch
+from pagellm.kv.interface import (NO_PREFIX, BlockCopies, KVCacheManagerProtocol, KVCacheStats,
+                                  PrefixMatch)
 from pagellm.kv.manager import KVCacheManager
 from pagellm.kv.memory import (
     PRESETS,
@@ -31,7 +32,7 @@ __all__ = [
     "ROOT_HASH", "BlockHash", "BlockPool", "FreeBlockQueue", "KVCacheBlock", "hash_block_tokens",
     "BlockTable", "cdiv", "compute_slot_mapping",
     "ContiguousKVCacheManager", "FreeExtents",
-    "NO_PREFIX", "BlockCopies", "KVCacheStats", "PrefixMatch",
+    "NO_PREFIX", "BlockCopies", "KVCacheManagerProtocol", "KVCacheStats", "PrefixMatch",
     "KVCacheManager",
     "PRESETS", "KVCapacity", "KVMemoryModel", "dtype_bytes", "format_bytes", "parse_size",
 ]

@@ -202,6 +202,11 @@ class BlockPool:
         self.cached[block_hash.value] = block
         return True
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take a block out of the prefix index (its K/V turned out never to be written)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash.value) is block:
+            self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
         del self.cached[block.block_hash.value]

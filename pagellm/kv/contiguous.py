@@ -136,6 +136,25 @@ class ContiguousKVCacheManager:
         self._seqs[seq_id] = _Reservation(start, total)
         return []
 
+    def can_admit(self, num_tokens: int, watermark: bool = True, reserved_blocks: int = 0
+                  ) -> bool:
+        """Whether a new sequence would get a reservation now (its length does not matter;
+        running sequences grow inside their own reservations, so nothing needs reserving)."""
+        if watermark and (self.free_extents.num_free_blocks - self.blocks_per_seq
+                          < self.watermark_blocks):
+            return False
+        return any(free >= self.blocks_per_seq for _, free in self.free_extents.extents)
+
+    def mark_computed(self, seq_id: Hashable) -> None:
+        """No prefix cache: nothing is provisional."""
+
+    def discard_uncomputed(self, seq_id: Hashable) -> None:
+        """No prefix cache: nothing to withdraw."""
+
+    def blocks_needed(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        """Growth stays inside the reservation: no new blocks."""
+        return 0
+
     def num_tokens(self, seq_id: Hashable) -> int:
         if seq_id in self._seqs:
             return self._seqs[seq_id].num_tokens

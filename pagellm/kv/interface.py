@@ -1,9 +1,10 @@
-"""Records the KV cache managers hand to the scheduler: a prefix match and the statistics."""
+"""The KV cache managers' interface to the scheduler (KVCacheManagerProtocol) and the records
+they hand it: a prefix match and the statistics."""
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pagellm.kv.block_pool import BlockHash
 
@@ -76,3 +77,47 @@ class KVCacheStats:
         out = asdict(self)
         del out["block_counts"]
         return out
+
+
+class KVCacheManagerProtocol(Protocol):
+    """What the scheduler asks of a KV cache manager; the paged KVCacheManager and the
+    contiguous baseline both implement it. Sequences are named by any hashable id; block
+    copies returned must be applied by the model side before the step that needs them."""
+
+    def lookup_prefix(self, token_ids: Sequence[int],
+                      extra_keys: Iterable[Hashable] = ()) -> PrefixMatch: ...
+
+    def allocate_slots(self, seq_id: Hashable, token_ids: Sequence[int], num_new_tokens: int,
+                       prefix: PrefixMatch | None = None, extra_keys: Iterable[Hashable] = (),
+                       watermark: bool = False) -> BlockCopies | None: ...
+
+    def can_admit(self, num_tokens: int, watermark: bool = True,
+                  reserved_blocks: int = 0) -> bool: ...
+
+    def blocks_needed(self, seq_id: Hashable, num_new_tokens: int) -> int: ...
+
+    def mark_computed(self, seq_id: Hashable) -> None: ...
+
+    def discard_uncomputed(self, seq_id: Hashable) -> None: ...
+
+    def get_block_table(self, seq_id: Hashable) -> list[int]: ...
+
+    def num_tokens(self, seq_id: Hashable) -> int: ...
+
+    def is_swapped(self, seq_id: Hashable) -> bool: ...
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> BlockCopies | None: ...
+
+    def free(self, seq_id: Hashable) -> None: ...
+
+    def swap_out(self, seq_ids: Iterable[Hashable]) -> BlockCopies | None: ...
+
+    def swap_in(self, seq_ids: Iterable[Hashable]) -> BlockCopies | None: ...
+
+    def can_swap_in(self, seq_ids: Iterable[Hashable], num_new_tokens: int = 0) -> bool: ...
+
+    def get_stats(self) -> KVCacheStats: ...
+
+    def seq_block_counts(self) -> dict[Hashable, int]: ...
+
+    def check_invariants(self) -> None: ...

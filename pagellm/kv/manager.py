@@ -18,11 +18,13 @@ from pagellm.kv.interface import NO_PREFIX, BlockCopies, KVCacheStats, PrefixMat
 @dataclass(slots=True)
 class _Sequence:
     """Per-sequence state. Invariant: with prefix caching on, ``block_hashes[i]`` is the chained
-    hash of full block ``i`` and there is one per full block (none when caching is off)."""
+    hash of full block ``i`` and there is one per full block (none when caching is off); the
+    first ``num_computed_hashes`` of them cover blocks whose K/V a finished step computed."""
 
     table: BlockTable
     extra_keys: tuple[Hashable, ...] = ()
     block_hashes: list[BlockHash] = field(default_factory=list)
+    num_computed_hashes: int = 0
 
 
 class KVCacheManager:
@@ -95,6 +97,13 @@ class KVCacheManager:
         full are hashed from them). Returns the copy-on-write (src, dst) copies to perform before
         the step, or None, having changed nothing, when blocks are short. ``watermark=True``
         (admitting new work) also keeps ``watermark_blocks`` free.
+
+        Full blocks enter the prefix index at once, so that a sequence admitted later in the
+        same step shares them (the step writes every K/V before any attention reads it, as in
+        vLLM). Until ``mark_computed`` says the step ran, they are provisional:
+        ``discard_uncomputed`` (called by free when a step failed or was interrupted) takes
+        them out of the index again, so no hash ever outlives a step that did not write its
+        K/V.
         """
         seq = self._seqs.get(seq_id)
         if seq is not None and num_new_tokens == 1:
@@ -191,6 +200,42 @@ class KVCacheManager:
         table.block_ids[-1] = new.block_id
         return old.block_id, new.block_id
 
+    def can_admit(self, num_tokens: int, watermark: bool = True, reserved_blocks: int = 0
+                  ) -> bool:
+        """Whether a new sequence of ``num_tokens`` slots fits now (ignoring prefix hits),
+        leaving ``reserved_blocks`` free for others."""
+        return self._can_allocate(cdiv(num_tokens, self.block_size) + reserved_blocks,
+                                  watermark)
+
+    def blocks_needed(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        """New device blocks ``allocate_slots(seq_id, ..., num_new_tokens)`` would take."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return 0
+        table = seq.table
+        copy_on_write = (num_new_tokens > 0 and table.last_block_is_partial()
+                         and self._blocks[table.block_ids[-1]].ref_cnt > 1)
+        return table.num_blocks_needed(num_new_tokens) + copy_on_write
+
+    def mark_computed(self, seq_id: Hashable) -> None:
+        """The step that filled the sequence's slots ran: its provisional hashes are final."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            seq.num_computed_hashes = len(seq.block_hashes)
+
+    def discard_uncomputed(self, seq_id: Hashable) -> None:
+        """Withdraw the hashes of blocks whose K/V was never computed (the step that was to
+        fill them failed): they leave the prefix index, so no later prompt can hit them."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.num_computed_hashes == len(seq.block_hashes):
+            return
+        start = seq.num_computed_hashes
+        for block_id, block_hash in zip(seq.table.block_ids[start:], seq.block_hashes[start:]):
+            block = self._blocks[block_id]
+            if block.block_hash == block_hash:
+                self.block_pool.uncache(block)
+        del seq.block_hashes[start:]
+
     def _cache_full_blocks(self, seq: _Sequence, token_ids: Sequence[int]) -> None:
         bs, hashes, table = self.block_size, seq.block_hashes, seq.table
         parent = hashes[-1].value if hashes else None
@@ -229,7 +274,7 @@ class KVCacheManager:
         for block_id in parent.table.block_ids:
             self._blocks[block_id].ref_cnt += 1
         self._seqs[child_id] = _Sequence(parent.table.copy(), parent.extra_keys,
-                                         list(parent.block_hashes))
+                                         list(parent.block_hashes), parent.num_computed_hashes)
         return []
 
     def free(self, seq_id: Hashable) -> None:
@@ -384,7 +429,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             assert not seq.block_hashes
             return
-        assert len(seq.block_hashes) == table.num_full_blocks, f"{seq_id!r}: hash count"
+        assert len(seq.block_hashes) == table.num_full_blocks or (
+            seq.num_computed_hashes == len(seq.block_hashes)), f"{seq_id!r}: hash count"
+        assert seq.num_computed_hashes <= len(seq.block_hashes), f"{seq_id!r}: computed count"
         parent = ROOT_HASH
         for block_id, block_hash in zip(table.block_ids, seq.block_hashes):
             assert block_hash.parent == parent and block_hash.extra_keys == seq.extra_keys

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from kv_helpers import ShadowKV
+from kv_shadow import ShadowKV
 
 from pagellm.kv import ContiguousKVCacheManager, FreeExtents, PrefixMatch
 

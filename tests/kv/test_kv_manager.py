@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from kv_helpers import ShadowKV
+from kv_shadow import ShadowKV
 
 from pagellm.kv import KVCacheManager, PrefixMatch
 
@@ -429,3 +429,38 @@ def test_check_invariants_catches_corruption():
     mgr._seqs["a"].table.num_tokens = 9  # three blocks' worth of tokens in two blocks
     with pytest.raises(AssertionError, match="blocks for"):
         mgr.check_invariants()
+
+
+def test_uncomputed_blocks_can_be_withdrawn_from_the_prefix_index():
+    """Full blocks are indexed when allocated (so the same step can share them); if the step
+    that was to compute them fails, discard_uncomputed takes them out again, and once a step
+    ran, mark_computed makes them final."""
+    mgr = make(caching=True)
+    prompt = list(range(9))
+    mgr.allocate_slots("a", prompt, 9)
+    assert mgr.lookup_prefix(prompt).num_tokens == 8  # provisional
+    mgr.discard_uncomputed("a")
+    mgr.check_invariants()
+    mgr.free("a")
+    assert mgr.lookup_prefix(prompt).num_tokens == 0
+    mgr.allocate_slots("b", prompt, 9)
+    mgr.mark_computed("b")
+    mgr.allocate_slots("b", prompt + [50, 51, 52], 3)  # fills the third block, not computed
+    mgr.discard_uncomputed("b")  # withdraws only the third block
+    assert mgr.lookup_prefix(prompt + [50, 51, 52, 53]).num_tokens == 8
+    mgr.check_invariants()
+    mgr.free("b")
+    assert mgr.lookup_prefix(prompt).num_tokens == 8  # computed blocks stay reusable
+    mgr.check_invariants()
+
+
+def test_can_admit_and_blocks_needed():
+    mgr = make(num_blocks=8, block_size=4, watermark=0.25)  # 2 blocks of watermark
+    assert mgr.can_admit(24) and not mgr.can_admit(25)
+    assert mgr.can_admit(32, watermark=False) and not mgr.can_admit(33, watermark=False)
+    assert not mgr.can_admit(24, reserved_blocks=1)
+    mgr.allocate_slots("a", list(range(6)), 6)
+    assert mgr.blocks_needed("a", 2) == 0 and mgr.blocks_needed("a", 3) == 1
+    mgr.fork("a", "b")
+    assert mgr.blocks_needed("b", 1) == 1  # its shared, partly filled block is copied
+    assert mgr.blocks_needed("unknown", 5) == 0

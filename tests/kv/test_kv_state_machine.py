@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from kv_helpers import ShadowKV
+from kv_shadow import ShadowKV
 
 from pagellm.kv import ContiguousKVCacheManager, KVCacheManager, PrefixMatch
 
