@@ -4,7 +4,7 @@
     python benchmarks/engine_step.py --dtype float32 --batch-sizes 1,32
 
 The same as ``pagellm bench engine``; see pagellm/bench/engine_step.py for what is timed.
-Target: everything but the model forward under 10% of the step at 256 running sequences.
+Target: everything but the model forward under 5% of the step at 256 running sequences.
 """
 from __future__ import annotations
 

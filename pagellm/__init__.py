@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "LLM": "pagellm.entrypoints.llm",
     "SamplingParams": "pagellm.sampling_params",
+    "RequestOutputKind": "pagellm.sampling_params",
     "EngineArgs": "pagellm.config",
     "LLMEngine": "pagellm.core.engine",
     "RequestOutput": "pagellm.outputs",

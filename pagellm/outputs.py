@@ -2,8 +2,9 @@
 
 They are plain dataclasses so that code written against vLLM
 (``out.outputs[0].text``, ``out.outputs[0].logprobs[i][token_id].logprob``) works unchanged.
-Outputs are cumulative: each ``RequestOutput`` the engine emits holds all text and tokens
-generated so far, not a delta.
+What an output holds follows the request's ``SamplingParams.output_kind``: everything so far
+(CUMULATIVE, the default), what is new since its previous output (DELTA), or everything once,
+at the end (FINAL_ONLY). ``RequestOutput.merge`` joins consecutive deltas.
 """
 from __future__ import annotations
 
@@ -101,6 +102,26 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This DELTA output followed by a ``later`` one of the same request, as one delta
+        (what a consumer that fell behind receives)."""
+        by_index = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            mine = by_index.get(c.index)
+            if mine is None:
+                by_index[c.index] = c
+                continue
+            by_index[c.index] = CompletionOutput(
+                c.index, mine.text + c.text, mine.token_ids + c.token_ids,
+                c.cumulative_logprob,
+                None if c.logprobs is None else (mine.logprobs or []) + c.logprobs,
+                c.finish_reason, c.stop_reason)
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            [by_index[i] for i in sorted(by_index)], later.finished, later.metrics,
+            later.error, later.num_cached_tokens)
 
     def __repr__(self) -> str:
         error = f", error={self.error!r}" if self.error is not None else ""

@@ -25,6 +25,14 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything generated so far (the offline API's default)
+    DELTA = 1  # only what is new since the request's previous output (streaming)
+    FINAL_ONLY = 2  # a single output, when the request finishes
+
+
 class SamplingType(enum.Enum):
     """How the sampler picks a row's token."""
 
@@ -66,6 +74,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     user_set_fields: frozenset[str] = field(default=frozenset(), init=False, repr=False,
                                             compare=False)
 
@@ -108,6 +117,9 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def _check_types(self) -> None:
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got "
+                             f"{self.output_kind!r}")
         for name in ("n", "top_k", "min_tokens"):
             _require_int(name, getattr(self, name))
         for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):

@@ -170,7 +170,7 @@ class SharedWeightsEngines:
     KV pools cost no reload."""
 
     def __init__(self, model: Path) -> None:
-        import pagellm.core.engine_setup as setup
+        import pagellm.worker.engine_setup as setup
 
         self.model = model
         self._setup = setup

@@ -25,7 +25,7 @@ from pagellm.config import EngineArgs
 from pagellm.core.engine import LLMEngine, PromptType
 from pagellm.core.stats import EngineStats
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagellm")
 
@@ -59,12 +59,14 @@ class NewRequest:
 class OutputStream:
     """The outputs of a group of requests added together, for one consumer on the event loop.
 
-    Invariants: ``pending`` holds at most one (the newest) output per request; a request leaves
+    Invariants: ``pending`` holds at most one output per request (the newest, or for DELTA
+    requests the merge of those not yet read); a request leaves
     ``unfinished`` exactly when its finished output is put. Only the event loop thread touches it.
     """
 
-    def __init__(self, request_ids: Iterable[str]) -> None:
+    def __init__(self, request_ids: Iterable[str], deltas: Iterable[str] = ()) -> None:
         self.request_ids = list(request_ids)
+        self.deltas = set(deltas)  # requests whose outputs are DELTAs: merged, not replaced
         self.unfinished = set(self.request_ids)
         self.pending: dict[str, RequestOutput] = {}
         self.error: BaseException | None = None
@@ -75,6 +77,9 @@ class OutputStream:
         return not self.unfinished
 
     def put(self, output: RequestOutput) -> None:
+        earlier = self.pending.get(output.request_id)
+        if earlier is not None and output.request_id in self.deltas:
+            output = earlier.merge(output)
         self.pending[output.request_id] = output
         if output.finished:
             self.unfinished.discard(output.request_id)
@@ -174,7 +179,8 @@ class AsyncLLMEngine:
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids) or any(rid in self._streams for rid in ids):
             raise ValueError("request ids must be unique among requests in flight")
-        stream = OutputStream(ids)
+        stream = OutputStream(ids, [r.request_id for r in requests
+                                    if r.params.output_kind is RequestOutputKind.DELTA])
         for rid in ids:
             self._streams[rid] = stream
         added: asyncio.Future = self._loop.create_future()
@@ -190,7 +196,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the cumulative output of one request as it progresses (vLLM's API)."""
+        """Yield the outputs of one request as it progresses, of its params' output_kind
+        (vLLM's API)."""
         stream = await self.add_requests([NewRequest(request_id, prompt, params, priority)])
         try:
             async for updates in stream:

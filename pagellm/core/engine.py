@@ -1,9 +1,10 @@
 """LLMEngine: requests in, one scheduled and executed batch per ``step()``, outputs out.
 
-The engine glues the layers together and owns no policy of its own: the scheduler decides what
-runs, the KV cache manager where its K/V lives, the model runner computes logits and the sampler
-picks tokens. What is left here is the per-request bookkeeping: appending tokens, forking
-``n > 1`` samples after the prompt, stop conditions, incremental detokenisation and outputs.
+The engine glues the layers together and owns no state of its own beyond the request table:
+the scheduler owns sequences and the KV cache manager (what runs, forks, stops, frees), the
+worker computes what the plan asks (logits, samples, logprobs), the output processor turns
+tokens into text and outputs. A step is: schedule, execute, update from the output, make
+outputs (vLLM v1's shape).
 """
 from __future__ import annotations
 
@@ -13,18 +14,14 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from pagellm.config import EngineArgs
-from pagellm.core.engine_setup import EngineComponents, build_components
 from pagellm.core.output_processor import OutputProcessor
-from pagellm.core.request import Request, Sequence, SequenceStatus
-from pagellm.core.scheduler import SchedulerOutput
+from pagellm.core.plan import ModelRunnerOutput, SchedulerOutput
+from pagellm.core.request import Request
+from pagellm.core.scheduler import StepUpdate
 from pagellm.core.stats import EngineStats, StatsTracker
 from pagellm.outputs import RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.model_runner import ScheduledSeq
-from pagellm.worker.sampler import SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger("pagellm")
 
@@ -35,7 +32,10 @@ class LLMEngine:
     """Continuous-batching engine. Not thread-safe: one caller drives ``step()``."""
 
     def __init__(self, args: EngineArgs) -> None:
-        c: EngineComponents = build_components(args)
+        # the model side (torch) is built here, so that importing pagellm.core needs no torch
+        from pagellm.worker.engine_setup import build_components
+
+        c = build_components(args)
         self.args = args
         self.device = c.device
         self.hf_config = c.hf_config
@@ -49,8 +49,8 @@ class LLMEngine:
         self.num_gpu_blocks = c.num_gpu_blocks
         self.num_cpu_blocks = c.num_cpu_blocks
         self.default_sampling = c.default_sampling
-        self.output_processor = OutputProcessor(self.tokenizer, self.hf_config,
-                                                self.max_model_len, c.eos_token_ids)
+        self.worker = c.worker
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         self.stats = StatsTracker()
@@ -94,11 +94,8 @@ class LLMEngine:
         request.metrics = RequestMetrics(arrival_time=request.arrival_time)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
-        seq = Sequence(f"{request_id}#0", 0, request, list(token_ids), self._generator(params, 0))
-        seq.detokenizer = self.output_processor.new_detokenizer(seq)
-        request.seqs.append(seq)
         self.requests[request_id] = request
-        self.scheduler.add(seq)
+        self.scheduler.add_request(request)
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -131,14 +128,9 @@ class LLMEngine:
                 f"{num_prompt + params.max_tokens} exceeds max_model_len={self.max_model_len}")
         return params.max_tokens
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        if params.seed is None:
-            return None
-        seed = params.seed if index == 0 else (params.seed * 1_000_003 + index) % (1 << 63)
-        return torch.Generator(device=self.device).manual_seed(seed)
-
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
-        """Abort requests (unknown ids are ignored); their blocks are freed at once."""
+        """Abort requests (unknown ids are ignored); their blocks are freed at once. Returns
+        their final outputs."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         outputs = []
@@ -146,12 +138,9 @@ class LLMEngine:
             request = self.requests.pop(rid, None)
             if request is None:
                 continue
-            for seq in request.seqs:
-                if not seq.status.is_finished:
-                    self.scheduler.remove(seq)
-                    seq.status = SequenceStatus.FINISHED_ABORTED
+            self.scheduler.abort_request(request)
             request.metrics.finished_time = time.time()
-            outputs.append(self.output_processor.build_request_output(request))
+            outputs.append(self.output_processor.make_output(request))
         return outputs
 
     def abort_all(self) -> list[RequestOutput]:
@@ -168,148 +157,43 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule one batch, run it, and return outputs of the requests that progressed."""
         plan = self.scheduler.schedule()
-        self.stats.record_schedule(plan)
+        self.stats.record_schedule(plan, self.scheduler.seqs)
         if plan.is_empty:
-            return self._fail_unschedulable()
-        self._apply_cache_ops(plan)
-        batch = [self._scheduled_seq(item.seq, item.num_new_tokens) for item in plan.scheduled]
-        logits = self.runner.execute(batch)
-        touched = self._consume_logits(plan, batch, logits)
-        return self._finish_step(touched)
+            return self._fail_unschedulable(plan)
+        runner_output = self._execute(plan)
+        update = self.scheduler.update_from_output(plan, runner_output)
+        return self._finish_step(update)
 
-    def _apply_cache_ops(self, plan: SchedulerOutput) -> None:
-        if plan.blocks_to_swap_out:
-            self.cache_engine.swap_out(plan.blocks_to_swap_out)
-        if plan.blocks_to_swap_in:
-            self.cache_engine.swap_in(plan.blocks_to_swap_in)
-        if plan.blocks_to_copy:
-            self.cache_engine.copy_blocks(plan.blocks_to_copy)
+    def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the plan; if that fails (or is interrupted), no request of the plan is left
+        holding slots whose K/V was never computed: they end with the error, then it is
+        raised."""
+        try:
+            return self.worker.execute_model(plan)
+        except BaseException as exc:
+            failed = {self.scheduler.seqs[item.seq_id].request.request_id
+                      for item in plan.scheduled if item.seq_id in self.scheduler.seqs}
+            for request_id in failed:
+                self.requests[request_id].error = f"the engine step failed: {exc!r}"
+            self.abort_request(failed)
+            raise
 
-    def _scheduled_seq(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        start = seq.num_computed_tokens - num_new
-        request = seq.request
-        need_prompt = (request.prompt_logprobs is not None
-                       and len(request.prompt_logprobs) < request.num_prompt_tokens
-                       and start < request.num_prompt_tokens)
-        return ScheduledSeq(seq.token_ids, start, num_new, self.kv.get_block_table(seq.seq_id),
-                            need_logits=seq.num_computed_tokens == seq.num_tokens,
-                            need_prompt_logits=need_prompt)
-
-    def _consume_logits(self, plan: SchedulerOutput, batch: list[ScheduledSeq],
-                        logits: torch.Tensor) -> set[Request]:
-        """Split the logits rows: prompt logprobs, then one sampling row per sampling seq."""
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        row = 0
-        for item, sched in zip(plan.scheduled, batch):
-            seq = item.seq
-            if sched.need_prompt_logits:
-                self._record_prompt_logprobs(seq, sched, logits[row:row + sched.num_new_tokens])
-                row += sched.num_new_tokens
-                if sched.need_logits:
-                    sample_rows.append(row - 1)
-                    sample_seqs.append(seq)
-            elif sched.need_logits:
-                sample_rows.append(row)
-                sample_seqs.append(seq)
-                row += 1
-        touched: set[Request] = set()
-        if sample_seqs:
-            rows, seqs = self._expand_forks(sample_rows, sample_seqs)
-            # Rows 0..n-1 in order (plain decode batches) need no gathered copy of the logits.
-            picked = logits[:len(rows)] if rows == list(range(len(rows))) else logits[rows]
-            sampled = self._sample(picked, seqs)
-            self._append_tokens(seqs, sampled)
-            touched.update(seq.request for seq in seqs)
-        return touched
-
-    def _expand_forks(self, rows: list[int], seqs: list[Sequence]
-                      ) -> tuple[list[int], list[Sequence]]:
-        """A request with n > 1 that finished its prompt samples n tokens from one logits row:
-        its prompt sequence is forked into n sequences sharing the prompt's blocks."""
-        out_rows, out_seqs = [], []
-        for row, seq in zip(rows, seqs):
-            request = seq.request
-            out_rows.append(row)
-            out_seqs.append(seq)
-            if request.params.n > 1 and not request.forked:
-                request.forked = True
-                for index in range(1, request.params.n):
-                    child = self._fork(seq, index)
-                    out_rows.append(row)
-                    out_seqs.append(child)
-        return out_rows, out_seqs
-
-    def _fork(self, parent: Sequence, index: int) -> Sequence:
-        request = parent.request
-        child = Sequence(f"{request.request_id}#{index}", index, request, list(parent.token_ids),
-                         self._generator(request.params, index))
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.detokenizer = self.output_processor.new_detokenizer(child)
-        request.seqs.append(child)
-        copies = self.kv.fork(parent.seq_id, child.seq_id)
-        if copies is None:
-            # The contiguous baseline found no free reservation for the child: it waits and
-            # recomputes its tokens when admitted, like a sequence preempted by recompute.
-            child.num_computed_tokens = 0
-            self.scheduler.add(child)
-            return child
-        if copies:  # the contiguous baseline copies the parent's blocks instead of sharing
-            self.cache_engine.copy_blocks(copies)
-        self.scheduler.add_running(child)
-        return child
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        meta = SamplingMetadata(
-            params=[s.request.params for s in seqs],
-            prompt_token_ids=[s.request.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs],
-            generators=[s.generator for s in seqs])
-        return self.sampler(logits, meta)
-
-    def _record_prompt_logprobs(self, seq: Sequence, sched: ScheduledSeq,
-                                logits: torch.Tensor) -> None:
-        """Row i predicts token start + i + 1; only prompt tokens are recorded."""
-        request = seq.request
-        k = request.params.prompt_logprobs
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        start = sched.num_computed_tokens
-        for i in range(logprobs.shape[0]):
-            pos = start + i + 1
-            if pos >= request.num_prompt_tokens or pos < len(request.prompt_logprobs):
-                continue
-            request.prompt_logprobs.append(
-                self.output_processor.logprob_dict(logprobs[i], request.prompt_token_ids[pos], k))
-
-    def _append_tokens(self, seqs: list[Sequence], sampled: SamplerOutput) -> None:
+    def _finish_step(self, update: StepUpdate) -> list[RequestOutput]:
         now = time.time()
-        for i, seq in enumerate(seqs):
-            token = sampled.token_ids[i]
-            seq.token_ids.append(token)
-            if seq.logprobs is not None:
-                seq.cumulative_logprob += sampled.logprobs[i]
-                seq.logprobs.append(self.output_processor.token_logprobs(sampled, i))
+        for seq, _ in update.new_tokens:
             self.stats.record_token(seq, now)
-            self.output_processor.update(seq)
-            if seq.status.is_finished:
-                self.output_processor.finish(seq)
-                self.scheduler.remove(seq)
-
-    def _finish_step(self, touched: set[Request]) -> list[RequestOutput]:
-        outputs = []
-        now = time.time()
-        for request in sorted(touched, key=lambda r: r.seq_no):
-            if request.is_finished:
+        outputs = self.output_processor.process(update, self.scheduler)
+        for request in update.requests.values():
+            if request.is_finished and self.requests.pop(request.request_id, None):
                 request.metrics.finished_time = now
-                self.requests.pop(request.request_id, None)
                 self.stats.record_finished(request)
-            outputs.append(self.output_processor.build_request_output(request))
         return outputs
 
-    def _fail_unschedulable(self) -> list[RequestOutput]:
+    def _fail_unschedulable(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Nothing could be scheduled. With nothing running or swapped, the head of the waiting
         queue can never fit (it needs more blocks than exist): finish it with an error rather
         than retry it for ever."""
+        self.worker.execute_model(plan)  # still apply the plan's cache operations, if any
         sched = self.scheduler
         head = sched.next_waiting()
         if sched.running or sched.swapped or head is None:

@@ -1,68 +1,68 @@
-"""Turning sampled tokens into text, stop decisions and RequestOutputs."""
+"""After each step: tokens to text, stop strings, logprobs with their text, RequestOutputs.
+
+Token-level stops (EOS, stop token ids, length) are the scheduler's; stop strings need the
+text, so they are checked here, after it (vLLM's order: EOS and stop tokens once min_tokens
+is met, then stop strings, then length; a stop string found in the token that reached the
+length limit still wins), and a hit finishes the sequence through the scheduler.
+
+What an output carries is chosen once per request (``SamplingParams.output_kind``):
+CUMULATIVE (everything so far, vLLM's default), DELTA (only what is new since the request's
+last output: what a stream sends) or FINAL_ONLY (one output, when the request finishes).
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from pagellm.core.detokenizer import IncrementalDetokenizer, check_stop_strings
+from pagellm.core.plan import PromptLogprob, SampledToken
 from pagellm.core.request import Request, Sequence, SequenceStatus
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
-    from pagellm.worker.sampler import SamplerOutput
+    from pagellm.core.scheduler import Scheduler, StepUpdate
 
 
 class OutputProcessor:
-    """Per-token bookkeeping after sampling: detokenise, decide whether a sequence stops and
-    why (vLLM's order: EOS and stop tokens once min_tokens is met, then stop strings, then
-    length), and build the user-facing outputs."""
+    """Per-token bookkeeping after sampling and the user-facing outputs. Holds no torch."""
 
-    def __init__(self, tokenizer: Any, hf_config: Any, max_model_len: int,
-                 eos_token_ids: frozenset[int] | None = None) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.eos_token_ids = (eos_token_ids if eos_token_ids is not None
-                              else _eos_token_ids(tokenizer, hf_config))
         self._decoded: dict[int, str] = {}
 
-    def new_detokenizer(self, seq: Sequence) -> IncrementalDetokenizer:
+    def process(self, update: StepUpdate, scheduler: Scheduler) -> list[RequestOutput]:
+        """Apply one step's new tokens; return the outputs of the requests that progressed."""
+        for seq, sample in update.new_tokens:
+            self._add_token(seq, sample, scheduler)
+        outputs = []
+        for request in sorted(update.requests.values(), key=lambda r: r.seq_no):
+            output = self.make_output(request)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _add_token(self, seq: Sequence, sample: SampledToken, scheduler: Scheduler) -> None:
         params = seq.request.params
-        return IncrementalDetokenizer(
-            self.tokenizer, seq.token_ids[:seq.num_prompt_tokens],
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens)
-
-    def update(self, seq: Sequence) -> None:
-        """Account for the token just appended to ``seq``; may mark it finished."""
-        request = seq.request
-        params = request.params
-        token = seq.token_ids[-1]
-        new_text = seq.detokenizer.add_token(token)
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.token_ids[:seq.num_prompt_tokens],
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens)
+        new_text = seq.detokenizer.add_token(sample.token_id)
         seq.text += new_text
-        num_output = seq.num_output_tokens
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                return
-            if params.stop_token_ids and token in params.stop_token_ids:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                seq.stop_reason = token
-                return
-            if params.stop and new_text:
-                hit = check_stop_strings(seq.text, len(new_text), params.stop,
-                                         params.include_stop_str_in_output)
-                if hit is not None:
-                    seq.text, seq.stop_reason = hit
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                    return
-        if num_output >= request.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH
-
-    def finish(self, seq: Sequence) -> None:
-        """A finished sequence releases the text its detokenizer held back (an incomplete
-        multi-byte character), unless a stop string already cut the text."""
-        if not isinstance(seq.stop_reason, str):
+        if seq.logprobs is not None and sample.logprob is not None:
+            seq.cumulative_logprob += sample.logprob
+            seq.logprobs.append(self._logprob_dict(sample.token_id, sample.logprob,
+                                                   sample.rank, sample.top or ()))
+        if (params.stop and new_text and seq.status is not SequenceStatus.FINISHED_STOPPED
+                and seq.num_output_tokens >= params.min_tokens):
+            hit = check_stop_strings(seq.text, len(new_text), params.stop,
+                                     params.include_stop_str_in_output)
+            if hit is not None:
+                seq.text, reason = hit
+                scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, reason)
+        if seq.status.is_finished and not isinstance(seq.stop_reason, str):
+            # release what the detokenizer held back (an incomplete multi-byte character)
             seq.text += seq.detokenizer.flush()
 
     # ------------------------------------------------------------------ logprobs
@@ -72,49 +72,63 @@ class OutputProcessor:
             text = self._decoded[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def logprob_dict(self, logprobs: torch.Tensor, token_id: int, k: int) -> dict[int, Logprob]:
-        """``logprobs``: [vocab] log-probabilities of one position. The chosen token first, then
-        the top ``k`` (ranks count from 1 = most likely)."""
-        chosen = float(logprobs[token_id])
-        rank = int((logprobs > chosen).sum()) + 1
-        out = {token_id: Logprob(chosen, rank, self.decode_token(token_id))}
-        if k:
-            values, ids = torch.topk(logprobs, k)
-            for r, (tid, lp) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
-                out.setdefault(tid, Logprob(lp, r, self.decode_token(tid)))
+    def _logprob_dict(self, token_id: int, logprob: float, rank: int | None,
+                      top: Any) -> dict[int, Logprob]:
+        """The chosen token first, then the top ones (ranks count from 1 = most likely)."""
+        out = {token_id: Logprob(logprob, rank, self.decode_token(token_id))}
+        for r, (tid, lp) in enumerate(top, start=1):
+            out.setdefault(tid, Logprob(lp, r, self.decode_token(tid)))
         return out
 
-    def token_logprobs(self, sampled: SamplerOutput, i: int) -> dict[int, Logprob]:
-        token = sampled.token_ids[i]
-        out = {token: Logprob(sampled.logprobs[i], sampled.ranks[i], self.decode_token(token))}
-        for rank, (tid, lp) in enumerate(sampled.top_logprobs[i] or (), start=1):
-            out.setdefault(tid, Logprob(lp, rank, self.decode_token(tid)))
-        return out
+    def _record_prompt_logprobs(self, request: Request) -> None:
+        """Turn the runner's prompt logprobs into dicts; a position recorded before (a
+        recomputation after preemption) is not recorded twice."""
+        for position, entry in request.pending_prompt_logprobs:
+            if position == len(request.prompt_logprobs):
+                entry: PromptLogprob
+                request.prompt_logprobs.append(self._logprob_dict(
+                    entry.token_id, entry.logprob, entry.rank, entry.top))
+        request.pending_prompt_logprobs.clear()
 
     # ------------------------------------------------------------------ outputs
-    def build_request_output(self, request: Request) -> RequestOutput:
-        wants_logprobs = request.params.logprobs is not None
-        completions = [
-            CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.status.value if seq.status.is_finished else None,
-                stop_reason=seq.stop_reason)
-            for seq in sorted(request.seqs, key=lambda s: s.index)]
+    def make_output(self, request: Request) -> RequestOutput | None:
+        """The request's output of the kind it asked for; None when that kind has nothing
+        to say now (FINAL_ONLY before the end)."""
+        if request.prompt_logprobs is not None and request.pending_prompt_logprobs:
+            self._record_prompt_logprobs(request)
+        kind = request.params.output_kind
+        finished = request.is_finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        completions = [self._completion(seq, delta)
+                       for seq in sorted(request.seqs, key=lambda s: s.index)]
+        prompt_logprobs = request.prompt_logprobs
+        if delta and request.prompt_logprobs_sent:
+            prompt_logprobs = None
+        request.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids, prompt_logprobs=request.prompt_logprobs,
-            outputs=completions, finished=request.is_finished, metrics=request.metrics,
-            error=request.error)
+            prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_logprobs,
+            outputs=completions, finished=finished, metrics=request.metrics,
+            error=request.error, num_cached_tokens=request.num_cached_tokens or 0)
 
-
-def _eos_token_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(tokenizer, "eos_token_id", None),
-                   getattr(hf_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(t) for t in source)
-    return frozenset(ids)
+    @staticmethod
+    def _completion(seq: Sequence, delta: bool) -> CompletionOutput:
+        params = seq.request.params
+        wants_logprobs = params.logprobs is not None
+        tokens_from, text_from = (seq.num_sent_tokens, seq.num_sent_text) if delta else (0, 0)
+        output_ids = seq.token_ids[seq.num_prompt_tokens + tokens_from:]
+        text_to = len(seq.text)
+        if delta:
+            if not seq.status.is_finished:
+                # hold back what could still turn out to start a stop string
+                text_to = max(text_from, text_to - params.output_text_buffer_length)
+            seq.num_sent_tokens += len(output_ids)
+            seq.num_sent_text = text_to
+        return CompletionOutput(
+            index=seq.index, text=seq.text[text_from:text_to], token_ids=output_ids,
+            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            logprobs=seq.logprobs[tokens_from:] if seq.logprobs is not None else None,
+            finish_reason=seq.status.value if seq.status.is_finished else None,
+            stop_reason=seq.stop_reason)

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING
 from pagellm.outputs import Logprob, RequestMetrics
 
 if TYPE_CHECKING:
-    import torch
-
     from pagellm.core.detokenizer import IncrementalDetokenizer
     from pagellm.sampling_params import SamplingParams
 
@@ -46,10 +44,10 @@ class Sequence:
 
     __slots__ = ("seq_id", "index", "request", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "stop_reason", "cumulative_logprob",
-                 "logprobs", "detokenizer", "text", "generator", "last_token_time")
+                 "logprobs", "detokenizer", "text", "last_token_time", "num_sent_tokens",
+                 "num_sent_text")
 
-    def __init__(self, seq_id: str, index: int, request: Request, token_ids: list[int],
-                 generator: torch.Generator | None) -> None:
+    def __init__(self, seq_id: str, index: int, request: Request, token_ids: list[int]) -> None:
         self.seq_id = seq_id
         self.index = index  # position among the request's n samples
         self.request = request
@@ -63,8 +61,9 @@ class Sequence:
             [] if request.params.logprobs is not None else None)
         self.detokenizer: IncrementalDetokenizer | None = None
         self.text = ""
-        self.generator = generator
         self.last_token_time = 0.0
+        self.num_sent_tokens = 0  # output tokens and text already in a DELTA output
+        self.num_sent_text = 0
 
     @property
     def num_tokens(self) -> int:
@@ -104,9 +103,13 @@ class Request:
     extra_keys: tuple = ()  # prefix-cache isolation (e.g. a per-tenant cache_salt)
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # (position, PromptLogprob) from the runner, not yet turned into prompt_logprobs
+    pending_prompt_logprobs: list = field(default_factory=list)
     metrics: RequestMetrics | None = None
     error: str | None = None
     forked: bool = False
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    prompt_logprobs_sent: bool = False  # a DELTA output carries them once
 
     @property
     def num_prompt_tokens(self) -> int:

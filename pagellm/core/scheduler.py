@@ -1,26 +1,38 @@
-"""Continuous-batching scheduler with preemption by swap or recompute.
+"""Continuous-batching scheduler with preemption by swap or recompute: the one owner of request
+and sequence state and of the KV cache manager.
 
-Every step it builds one batch, in this order, within ``max_num_batched_tokens`` tokens and
-``max_num_seqs`` sequences:
+``schedule()`` builds one step's plan within ``max_num_batched_tokens`` tokens and
+``max_num_seqs`` sequences (a request with ``n > 1`` that has not forked yet counts ``n``):
 
-1. running sequences, highest priority first: a decode token each, or the next prompt chunk;
-   when blocks run out it preempts the lowest-priority running sequence (ties: the latest
-   arrival) until the one at hand fits, or preempts the one at hand if it is itself the lowest;
+0. with the priority policy, a waiting request that outranks running ones and does not fit
+   preempts the lowest-priority running sequences until it does;
+1. running sequences: decodes first (one token each), then prompt chunks, each group highest
+   priority first, so a long (re)prefill never stalls the decodes of a step; when blocks run
+   out the lowest-priority sequence not yet scheduled is preempted (or the one at hand, when
+   it is itself the lowest);
 2. swapped sequences, swapped back in while blocks allow (only when nobody was preempted this
    step, so that swapping does not thrash);
-3. waiting sequences (new requests, and recomputations, which keep their old arrival time and so
-   come before newer requests), using prefix-cache hits and leaving the watermark free.
+3. waiting sequences (new requests, and recomputations, which keep their arrival time), with
+   prefix-cache hits and the watermark left free; while sequences are swapped out, only
+   waiting ones that come before them in scheduling order are admitted.
 
-Allocation is all or nothing per sequence (the KV cache manager guarantees it), so a sequence that
-does not fit leaves no trace. A prompt longer than the remaining token budget is chunked when
-chunked prefill is enabled.
+``update_from_output(plan, runner_output)`` applies what the runner computed: confirms the
+blocks the step filled in the prefix cache (a step that never reports back has them
+withdrawn when its sequences end), forks ``n > 1`` requests, appends tokens, applies the
+token-level stop conditions (EOS, stop token ids, length) and frees finished sequences. Stop
+strings need the text, so the output processor checks them and calls ``finish``.
+
+Allocation is all or nothing per sequence (the KV cache manager guarantees it), so a sequence
+that does not fit leaves no trace.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from pagellm.core.request import Sequence, SequenceStatus
+from pagellm.core.plan import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
+from pagellm.core.request import Request, Sequence, SequenceStatus
+from pagellm.kv.interface import KVCacheManagerProtocol
 
 
 class PreemptionMode(enum.Enum):
@@ -39,67 +51,75 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
-class ScheduledItem:
-    seq: Sequence
-    num_new_tokens: int
+class StepUpdate:
+    """What one step changed, for the output processor: the tokens each sequence received
+    (in order), the prompt logprobs recorded, and the requests that progressed."""
 
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's plan. Copies must be done before the model runs, swap-outs before swap-ins
-    (a swapped-in sequence may reuse blocks another one just left)."""
-
-    scheduled: list[ScheduledItem] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    new_tokens: list[tuple[Sequence, SampledToken]] = field(default_factory=list)
+    requests: dict[str, Request] = field(default_factory=dict)
 
 
 class Scheduler:
-    """Owns the waiting, running and swapped queues.
+    """Owns the waiting, running and swapped queues and the KV cache manager.
 
     Invariants: a sequence is in exactly one queue while unfinished; a RUNNING sequence holds
-    ``num_computed_tokens`` device slots; a SWAPPED one holds CPU blocks only; a WAITING one holds
-    nothing (its ``num_computed_tokens`` is 0).
+    ``num_computed_tokens`` device slots; a SWAPPED one holds CPU blocks only; a WAITING one
+    holds nothing (its ``num_computed_tokens`` is 0); the running sequences' seat count
+    (``seats``) never exceeds ``max_num_seqs``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManagerProtocol,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.config = config
         self.kv = kv
+        self.eos_token_ids = eos_token_ids
         self.use_priority = config.policy == "priority"
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, by id
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_swap_ins = 0
+        self._pending_copies: list[tuple[int, int]] = []  # forks' copies, for the next plan
+        self._finished_seq_ids: list[str] = []
 
-    # ------------------------------------------------------------------ queues
-    def add(self, seq: Sequence) -> None:
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> Sequence:
+        """Queue a new request's prompt sequence."""
+        seq = Sequence(f"{request.request_id}#0", 0, request, list(request.prompt_token_ids))
+        request.seqs.append(seq)
+        self._add_waiting(seq)
+        return seq
+
+    def _add_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence forked from a running one: it already holds (shared) blocks."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def finish(self, seq: Sequence, status: SequenceStatus,
+               stop_reason: int | str | None = None) -> None:
+        """End a sequence (a stop string, an abort): out of its queue, blocks released."""
+        if seq.seq_id in self.seqs:
+            for queue in (self.running, self.waiting, self.swapped):
+                if seq in queue:
+                    queue.remove(seq)
+                    break
+            del self.seqs[seq.seq_id]
+            self.kv.discard_uncomputed(seq.seq_id)  # a step that failed wrote nothing
+            self.kv.free(seq.seq_id)
+            self._finished_seq_ids.append(seq.seq_id)
+        seq.status = status
+        if stop_reason is not None:
+            seq.stop_reason = stop_reason
 
-    def remove(self, seq: Sequence) -> None:
-        """Take an unfinished sequence out of its queue and release its blocks."""
-        for queue in (self.running, self.waiting, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
-                break
-        self.kv.free(seq.seq_id)
+    def abort_request(self, request: Request) -> None:
+        for seq in request.seqs:
+            if not seq.status.is_finished:
+                self.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.seqs)
 
     def _key(self, seq: Sequence) -> tuple:
         return seq.sort_key(self.use_priority)
@@ -108,54 +128,68 @@ class Scheduler:
         """The waiting sequence that would be admitted first (None when none waits)."""
         return min(self.waiting, key=self._key, default=None)
 
+    @staticmethod
+    def seats(seq: Sequence) -> int:
+        """Sequences ``seq`` will be: ``n`` for a prompt that forks into n samples."""
+        request = seq.request
+        return request.params.n if seq.index == 0 and not request.forked else 1
+
+    def _num_seats(self) -> int:
+        return sum(map(self.seats, self.running))
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(blocks_to_copy=self._pending_copies,
+                              finished_seq_ids=self._finished_seq_ids)
+        self._pending_copies, self._finished_seq_ids = [], []
         budget = [self.config.max_num_batched_tokens]
-        self.running.sort(key=self._key)
+        if self.use_priority:
+            self._preempt_for_waiting(out)
+        made_room = len(out.preempted)
         self._schedule_running(out, budget)
-        if not out.preempted:
+        # after preempting for lack of blocks, resuming or admitting others would thrash
+        if len(out.preempted) == made_room:
             self._schedule_swapped(out, budget)
-        if not out.preempted and not self.swapped:
+        if len(out.preempted) == made_room:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget[0]
         return out
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
+    def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        remaining = seq.num_tokens - num_computed
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
     def _schedule_running(self, out: SchedulerOutput, budget: list[int]) -> None:
-        queue = list(self.running)
+        decodes = sorted((s for s in self.running if not s.is_prefill), key=self._key)
+        prefills = sorted((s for s in self.running if s.is_prefill), key=self._key)
+        queue = decodes + prefills
         while queue:
             seq = queue.pop(0)
-            num_new = self._num_new_tokens(seq, budget[0])
+            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget[0])
             if num_new == 0:
                 continue
-            while True:
-                copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, num_new)
-                if copies is not None:
-                    break
-                # Lowest priority among those not yet scheduled this step (queue is sorted).
-                victim = queue.pop() if queue else seq
+            while (copies := self.kv.allocate_slots(seq.seq_id, seq.token_ids,
+                                                    num_new)) is None:
+                # The lowest priority among those not yet scheduled this step.
+                victim = max(queue, key=self._key, default=seq)
+                if self._key(victim) < self._key(seq):
+                    victim = seq
+                if victim is not seq:
+                    queue.remove(victim)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-            if copies is None:
-                continue
-            out.blocks_to_copy.extend(copies)
-            seq.num_computed_tokens += num_new
-            budget[0] -= num_new
-            out.scheduled.append(ScheduledItem(seq, num_new))
+            if copies is not None:
+                self._add_to_plan(out, seq, num_new, copies, budget)
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: list[int]) -> None:
         self.swapped.sort(key=self._key)
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
+        while self.swapped:
             seq = self.swapped[0]
-            num_new = self._num_new_tokens(seq, budget[0])
-            if num_new == 0:
+            num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget[0])
+            if num_new == 0 or self._num_seats() + self.seats(seq) > self.config.max_num_seqs:
                 break
             # Swap in only when its blocks and those for its next tokens fit; otherwise the
             # step would have to undo a swap-in whose copies it never made.
@@ -167,49 +201,88 @@ class Scheduler:
             self.swapped.pop(0)
             self.num_swap_ins += 1
             out.blocks_to_swap_in.extend(mapping)
-            out.blocks_to_copy.extend(copies)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            seq.num_computed_tokens += num_new
-            budget[0] -= num_new
-            out.scheduled.append(ScheduledItem(seq, num_new))
+            self._add_to_plan(out, seq, num_new, copies, budget)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
         self.waiting.sort(key=self._key)
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget[0] > 0:
+        first_swapped = min(map(self._key, self.swapped), default=None)
+        while self.waiting and budget[0] > 0:
             seq = self.waiting[0]
+            if first_swapped is not None and self._key(seq) > first_swapped:
+                break  # swapped-out sequences come first
+            if self._num_seats() + self.seats(seq) > self.config.max_num_seqs:
+                break
             request = seq.request
             prefix = None
             if not request.wants_prompt_logprobs:
                 prefix = self.kv.lookup_prefix(seq.token_ids, request.extra_keys)
             num_cached = prefix.num_tokens if prefix is not None else 0
-            remaining = seq.num_tokens - num_cached
-            num_new = remaining if remaining <= budget[0] else (
-                budget[0] if self.config.enable_chunked_prefill else 0)
+            num_new = self._num_new_tokens(seq, num_cached, budget[0])
             if num_new == 0:
                 break
             # Keep the watermark free for running sequences, unless nothing else could use it.
-            use_watermark = bool(self.running)
             copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, num_new, prefix=prefix,
                                             extra_keys=request.extra_keys,
-                                            watermark=use_watermark)
+                                            watermark=bool(self.running))
             if copies is None:
                 break
             self.waiting.pop(0)
-            out.blocks_to_copy.extend(copies)
             seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = num_cached + num_new
+            seq.num_computed_tokens = num_cached
+            if seq.index == 0 and request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
             self.running.append(seq)
-            budget[0] -= num_new
-            out.scheduled.append(ScheduledItem(seq, num_new))
+            self._add_to_plan(out, seq, num_new, copies, budget)
+
+    def _add_to_plan(self, out: SchedulerOutput, seq: Sequence, num_new: int,
+                     copies: list[tuple[int, int]], budget: list[int]) -> None:
+        out.blocks_to_copy.extend(copies)
+        budget[0] -= num_new
+        out.scheduled.append(self._scheduled(seq, num_new))
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        request = seq.request
+        start = seq.num_computed_tokens
+        samples = start + num_new == seq.num_tokens
+        sample_ids = (seq.seq_id,)
+        if samples and self.seats(seq) > 1:
+            sample_ids += tuple(f"{request.request_id}#{i}" for i in range(1, request.params.n))
+        k = request.params.prompt_logprobs
+        return ScheduledSequence(
+            seq.seq_id, seq.token_ids, start, num_new, self.kv.get_block_table(seq.seq_id),
+            need_logits=samples,
+            need_prompt_logits=(k is not None and start < request.num_prompt_tokens - 1
+                                and seq.index == 0),
+            prompt_logprobs=k or 0, num_prompt_tokens=request.num_prompt_tokens,
+            params=request.params, sample_ids=sample_ids if samples else ())
 
     # ------------------------------------------------------------------ preemption
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Priority policy: preempt running sequences of lower priority (largest value,
+        latest arrival first) while the best waiting sequence cannot be admitted."""
+        head = self.next_waiting()
+        while head is not None and self.running:
+            victim = max(self.running, key=self._key)
+            if victim.request.priority <= head.request.priority or self._admissible(head):
+                return
+            self._preempt(victim, out)
+
+    def _admissible(self, seq: Sequence) -> bool:
+        """Whether ``seq`` would be admitted this step beside the running sequences' own
+        next tokens (their new blocks are reserved first)."""
+        chunk = min(seq.num_tokens, self.config.max_num_batched_tokens)
+        reserved = sum(self.kv.blocks_needed(s.seq_id, s.num_tokens - s.num_computed_tokens)
+                       for s in self.running)
+        return (self._num_seats() + self.seats(seq) <= self.config.max_num_seqs
+                and self.kv.can_admit(chunk, bool(self.running), reserved))
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.num_preemptions += 1
-        out.preempted.append(seq)
-        mode = self.config.preemption_mode
-        if mode != PreemptionMode.RECOMPUTE.value:
+        out.preempted.append(seq.seq_id)
+        if self.config.preemption_mode != PreemptionMode.RECOMPUTE.value:
             mapping = self.kv.swap_out([seq.seq_id])
             if mapping is not None:
                 self.num_swap_outs += 1
@@ -223,3 +296,65 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, plan: SchedulerOutput,
+                           output: ModelRunnerOutput) -> StepUpdate:
+        update = StepUpdate()
+        for item in plan.scheduled:
+            seq = self.seqs.get(item.seq_id)
+            if seq is None:  # finished (aborted) while the step ran
+                continue
+            seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            self.kv.mark_computed(seq.seq_id)  # its new blocks' hashes are final now
+            update.requests[seq.request.request_id] = seq.request
+            if item.seq_id in output.prompt_logprobs:
+                seq.request.pending_prompt_logprobs.extend(output.prompt_logprobs[item.seq_id])
+            samples = output.sampled.get(item.seq_id)
+            if not samples:
+                continue
+            targets = [seq] + [self._fork(seq, i) for i in range(1, len(samples))]
+            if len(samples) > 1:
+                seq.request.forked = True
+            for target, sample in zip(targets, samples):
+                target.token_ids.append(sample.token_id)
+                update.new_tokens.append((target, sample))
+                self._check_stop(target, sample.token_id)
+        return update
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        """Sample ``index`` of a request whose prompt just completed: a sequence sharing the
+        prompt's blocks (copy-on-write), running and counted in max_num_seqs from now on."""
+        request = parent.request
+        child = Sequence(f"{request.request_id}#{index}", index, request,
+                         parent.token_ids[:parent.num_computed_tokens])
+        child.num_computed_tokens = parent.num_computed_tokens
+        request.seqs.append(child)
+        self.seqs[child.seq_id] = child
+        copies = self.kv.fork(parent.seq_id, child.seq_id)
+        if copies is None:
+            # The contiguous baseline found no free reservation for the child: it waits and
+            # recomputes its tokens when admitted, like a sequence preempted by recompute.
+            child.num_computed_tokens = 0
+            self._add_waiting(child)
+            return child
+        self._pending_copies.extend(copies)  # the contiguous baseline copies, never shares
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return child
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        """EOS and stop token ids once min_tokens are out, then length (vLLM's order; stop
+        strings come after, in the output processor)."""
+        request = seq.request
+        params = request.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                return
+            if params.stop_token_ids and token in params.stop_token_ids:
+                self.finish(seq, SequenceStatus.FINISHED_STOPPED, token)
+                return
+        if (seq.num_output_tokens >= request.max_tokens
+                or seq.num_tokens >= self.config.max_model_len):
+            self.finish(seq, SequenceStatus.FINISHED_LENGTH)

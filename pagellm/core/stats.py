@@ -61,15 +61,17 @@ class StatsTracker:
         self.num_requests_finished = 0
         self.started = time.time()
 
-    def record_schedule(self, plan: SchedulerOutput) -> None:
+    def record_schedule(self, plan: SchedulerOutput, seqs: dict[str, Sequence]) -> None:
+        """``seqs``: the scheduler's sequences by id."""
         self.num_steps += 1
         now = None
         for item in plan.scheduled:
-            metrics = item.seq.request.metrics
+            request = seqs[item.seq_id].request
+            metrics = request.metrics
             if metrics.first_scheduled_time is None:
                 now = now or time.time()
                 metrics.first_scheduled_time = now
-                self.prompt_tokens_total += item.seq.request.num_prompt_tokens
+                self.prompt_tokens_total += request.num_prompt_tokens
 
     def record_token(self, seq: Sequence, now: float) -> None:
         self.generation_tokens_total += 1

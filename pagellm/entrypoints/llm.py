@@ -9,7 +9,7 @@ from typing import Any
 from pagellm.config import EngineArgs
 from pagellm.core.engine import LLMEngine, PromptType
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -48,13 +48,15 @@ class LLM:
         try:
             for i, prompt in enumerate(prompts):
                 rid = str(next(self._request_counter))
-                self.llm_engine.add_request(rid, prompt, params[i] or SamplingParams(),
+                self.llm_engine.add_request(rid, prompt, _final_only(params[i]),
                                             priority=priorities[i] if priorities else 0)
                 ids.append(rid)
-        except Exception:
+            return self._run_engine(ids, use_tqdm)
+        except BaseException:
+            # Ctrl-C, an exception in a callback, a failed step: none of this call's requests
+            # stays in the engine holding blocks for a later call
             self.llm_engine.abort_request(ids)
             raise
-        return self._run_engine(ids, use_tqdm)
 
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -89,6 +91,14 @@ class LLM:
         if bar is not None:
             bar.close()
         return [finished[rid] for rid in ids]
+
+
+def _final_only(params: SamplingParams | None) -> SamplingParams:
+    """The offline API returns each request once, finished: its outputs are built once
+    (FINAL_ONLY) instead of every step. A copy: the caller's object may be shared."""
+    params = (params or SamplingParams()).clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
 
 
 def _apply_template(tokenizer, conversation: ChatMessages, add_generation_prompt: bool,

@@ -192,3 +192,28 @@ def test_on_step_sees_outputs_and_stats(tokenizer):
     finished = [o for outs, _ in seen for o in outs if o.finished]
     assert [o.request_id for o in finished] == ["r"]
     assert any(stats is not None and stats.generation_tokens_total == 3 for _, stats in seen)
+
+
+def test_stream_merges_delta_outputs_a_slow_consumer_missed():
+    """DELTA outputs must not be dropped when the consumer falls behind: the stream joins
+    them (cumulative ones simply replace each other)."""
+    from pagellm.core.async_engine import OutputStream
+    from pagellm.outputs import CompletionOutput, RequestOutput
+
+    def delta(text, tokens, finish=None):
+        return RequestOutput("a", None, [1, 2], None,
+                             [CompletionOutput(0, text, tokens, None, None, finish)],
+                             finish is not None)
+
+    async def main():
+        stream = OutputStream(["a"], deltas=["a"])
+        stream.put(delta("Hel", [5]))
+        stream.put(delta("lo", [6]))
+        first = await stream.__anext__()
+        stream.put(delta("!", [7], "stop"))
+        second = await stream.__anext__()
+        return first, second
+
+    first, second = run(main())
+    assert first[0].outputs[0].text == "Hello" and first[0].outputs[0].token_ids == [5, 6]
+    assert second[0].outputs[0].text == "!" and second[0].finished

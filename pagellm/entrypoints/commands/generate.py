@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from pagellm.entrypoints.commands.engine_flags import add_engine_flags, engine_args_from
+from pagellm.sampling_params import RequestOutputKind
 
 _request_ids = itertools.count()
 
@@ -80,13 +81,13 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def stream_text(engine, prompt: Any, params) -> Iterator[str]:
-    """Yield the text of one request as it is generated. The last characters are held back
-    while they may still turn out to be the start of a stop string, which is cut from the
-    text. The request is aborted if the consumer stops early (e.g. Ctrl-C)."""
+    """Yield the text of one request as it is generated (the engine's DELTA outputs: text
+    that may still turn out to start a stop string is held back until it cannot). The
+    request is aborted if the consumer stops early (e.g. Ctrl-C)."""
     request_id = f"cli-{next(_request_ids)}"
+    params = params.clone()
+    params.output_kind = RequestOutputKind.DELTA
     engine.add_request(request_id, prompt, params)
-    holdback = params.output_text_buffer_length
-    sent = 0
     try:
         while engine.has_unfinished_requests():
             for output in engine.step():
@@ -94,11 +95,8 @@ def stream_text(engine, prompt: Any, params) -> Iterator[str]:
                     continue
                 if output.error:
                     raise ValueError(output.error)
-                text = output.outputs[0].text
-                visible = len(text) if output.finished else max(len(text) - holdback, sent)
-                if visible > sent:
-                    yield text[sent:visible]
-                    sent = visible
+                if output.outputs[0].text:
+                    yield output.outputs[0].text
     finally:
         engine.abort_request(request_id)
 

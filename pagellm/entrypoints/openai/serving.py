@@ -17,7 +17,7 @@ from pagellm.core.async_engine import AsyncLLMEngine, NewRequest, OutputStream
 from pagellm.entrypoints.openai.errors import APIError, api_error_from_exception, error_body
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from pagellm.outputs import CompletionOutput, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pagellm")
 
@@ -54,7 +54,8 @@ class ServerContext:
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from the request fields; a bad value is a 400 naming the field."""
+    """SamplingParams from the request fields; a bad value is a 400 naming the field. A
+    stream asks the engine for DELTA outputs, a plain response for the FINAL_ONLY one."""
     if req.logit_bias:
         raise APIError("logit_bias is not supported", 400, "logit_bias")
     if req.stream_options is not None and not req.stream:
@@ -66,7 +67,8 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
-        spaces_between_special_tokens=req.spaces_between_special_tokens)
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
     # Only the sampling values the client sent: the others stay unset, so that the engine
     # gives them the model's recommended values (generation_config.json) or its own defaults.
     values.update({name: getattr(req, name) for name in _OPTIONAL_SAMPLING_FIELDS
@@ -156,27 +158,31 @@ class Delta:
 
 @dataclass
 class DeltaTracker:
-    """Turns cumulative outputs into deltas. While a completion runs, the last
-    ``output_text_buffer_length`` characters are held back: they may be the start of a stop
-    string that is later cut from the text, and text once sent cannot be taken back."""
+    """Turns the DELTA outputs of streamed requests into chunks: which choice sends its first
+    chunk (with the role, for chat), which deltas carry nothing, and the usage so far. The
+    engine already holds back text that may turn out to start a stop string."""
 
-    holdback: int
-    sent_text: dict[tuple[str, int], int] = field(default_factory=dict)
-    sent_tokens: dict[tuple[str, int], int] = field(default_factory=dict)
+    started: set[tuple[str, int]] = field(default_factory=set)
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    completion_tokens: int = 0
 
     def delta(self, request_id: str, c: CompletionOutput) -> Delta | None:
         key = (request_id, c.index)
-        first = key not in self.sent_text
-        text_sent = self.sent_text.get(key, 0)
-        tokens_sent = self.sent_tokens.get(key, 0)
+        first = key not in self.started
         finished = c.finish_reason is not None
-        visible = len(c.text) if finished else max(len(c.text) - self.holdback, text_sent)
-        text = c.text[text_sent:visible]
-        if not first and not text and len(c.token_ids) == tokens_sent and not finished:
+        if not first and not c.text and not c.token_ids and not finished:
             return None
-        self.sent_text[key] = visible
-        self.sent_tokens[key] = len(c.token_ids)
-        return Delta(text, tokens_sent, c.finish_reason, c.stop_reason, first)
+        self.started.add(key)
+        self.completion_tokens += len(c.token_ids)
+        return Delta(c.text, 0, c.finish_reason, c.stop_reason, first)
+
+    def count_prompt(self, output: RequestOutput) -> None:
+        self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(self.prompt_tokens.values())
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+                         total_tokens=prompt + self.completion_tokens)
 
 
 def sse(payload: dict | str) -> str:

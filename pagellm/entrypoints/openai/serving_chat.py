@@ -22,7 +22,7 @@ from pagellm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk
 from pagellm.entrypoints.openai.serving import (LOGPROB_FLOOR, DeltaTracker, EventStreamResponse,
                                                 ServerContext, add_requests, check_outputs,
                                                 collect, sampling_params, sse_events, usage_of)
-from pagellm.outputs import CompletionOutput, LogprobsDict, RequestOutput
+from pagellm.outputs import CompletionOutput, LogprobsDict
 
 
 def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage],
@@ -57,7 +57,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     stream = await add_requests(ctx, [NewRequest(request_id, {"prompt_token_ids": ids}, params,
                                                  req.priority, req.cache_salt)])
     if req.stream:
-        chunks = _stream_chunks(ctx, req, stream, request_id, params.output_text_buffer_length)
+        chunks = _stream_chunks(ctx, req, stream, request_id)
         return EventStreamResponse(sse_events(chunks))
     output = (await collect(ctx, stream, raw))[request_id]
     choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
@@ -95,24 +95,24 @@ def _text(ctx: ServerContext, token: int, logprob) -> str:
 
 
 async def _stream_chunks(ctx: ServerContext, req: ChatCompletionRequest, stream: OutputStream,
-                         request_id: str, holdback: int) -> AsyncIterator[dict]:
+                         request_id: str) -> AsyncIterator[dict]:
+    """The engine's DELTA outputs as chunks."""
     created = int(time.time())
-    tracker = DeltaTracker(holdback)
-    final: RequestOutput | None = None
+    tracker = DeltaTracker()
     try:
         async for updates in stream:
             check_outputs(o for o in updates if o.finished)
             for output in updates:
-                final = output
+                tracker.count_prompt(output)
                 choices = [choice for c in output.outputs
                            for choice in _stream_choices(ctx, req, tracker, request_id, c)]
                 if choices:
                     yield ChatCompletionChunk(id=request_id, created=created,
                                               model=ctx.model_name,
                                               choices=choices).model_dump(mode="json")
-        if req.stream_options and req.stream_options.include_usage and final is not None:
+        if req.stream_options and req.stream_options.include_usage and tracker.prompt_tokens:
             yield ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
-                                      choices=[], usage=usage_of([final])).model_dump(mode="json")
+                                      choices=[], usage=tracker.usage()).model_dump(mode="json")
     finally:
         ctx.engine.release(stream)
 

@@ -43,8 +43,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     order = {r.request_id: i for i, r in enumerate(requests)}
     texts = [text for text, _ in prompts]
     if req.stream:
-        chunks = _stream_chunks(ctx, req, stream, base_id, order, texts,
-                                params.output_text_buffer_length)
+        chunks = _stream_chunks(ctx, req, stream, base_id, order, texts)
         return EventStreamResponse(sse_events(chunks))
     final = await collect(ctx, stream, raw)
     outputs = sorted(final.values(), key=lambda o: order[o.request_id])
@@ -127,18 +126,18 @@ def _token_text(ctx: ServerContext, token: int, logprob) -> str:
 
 
 async def _stream_chunks(ctx: ServerContext, req: CompletionRequest, stream: OutputStream,
-                         base_id: str, order: dict[str, int], texts: list[str],
-                         holdback: int) -> AsyncIterator[dict]:
+                         base_id: str, order: dict[str, int], texts: list[str]
+                         ) -> AsyncIterator[dict]:
+    """The engine's DELTA outputs as chunks."""
     created = int(time.time())
-    tracker = DeltaTracker(holdback)
+    tracker = DeltaTracker()
     offsets: dict[tuple[str, int], int] = {}  # text offset of each choice's next token
-    final: dict[str, RequestOutput] = {}
     try:
         async for updates in stream:
             check_outputs(o for o in updates if o.finished)
             choices = []
             for output in updates:
-                final[output.request_id] = output
+                tracker.count_prompt(output)
                 prompt_index = order[output.request_id]
                 for c in output.outputs:
                     d = tracker.delta(output.request_id, c)
@@ -160,7 +159,7 @@ async def _stream_chunks(ctx: ServerContext, req: CompletionRequest, stream: Out
                                          choices=choices).model_dump(mode="json")
         if req.stream_options and req.stream_options.include_usage:
             yield CompletionResponse(id=base_id, created=created, model=ctx.model_name,
-                                     choices=[], usage=usage_of(final.values())
+                                     choices=[], usage=tracker.usage()
                                      ).model_dump(mode="json")
     finally:
         ctx.engine.release(stream)

@@ -1,4 +1,5 @@
-"""Engine start-up: resolve the device, load the model, size the KV cache, build the layers.
+"""Engine start-up: resolve the device, load the model, size the KV cache, build the layers
+(the KV cache manager and the scheduler on the engine's side, the worker on the model's).
 
 KV cache sizing follows vLLM: on CUDA, profile a maximum-size batch and give the KV cache
 ``gpu_memory_utilization`` × total memory minus what the weights and the peak activations take;
@@ -23,6 +24,7 @@ from pagellm.model.loader import (get_tokenizer, load_config, load_model, resolv
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.model_runner import ModelRunner, ScheduledSeq
 from pagellm.worker.sampler import Sampler
+from pagellm.worker.worker import Worker
 
 logger = logging.getLogger("pagellm")
 
@@ -40,10 +42,12 @@ class EngineComponents:
     runner: ModelRunner
     sampler: Sampler
     scheduler: Scheduler
+    worker: Worker
     # SamplingParams field -> the model's recommended value (generation_config.json)
     default_sampling: dict[str, Any]
     # every token that ends a sequence: the tokenizer's EOS, the config's, the generation
-    # config's (computed once: the sampler and the output processor must agree)
+    # config's (computed once: the sampler's min_tokens ban and the scheduler's stop check
+    # must agree)
     eos_token_ids: frozenset[int]
 
 
@@ -106,9 +110,10 @@ def build_components(args: EngineArgs) -> EngineComponents:
     scheduler = Scheduler(SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        preemption_mode=args.preemption_mode, policy=args.scheduling_policy), kv)
+        preemption_mode=args.preemption_mode, policy=args.scheduling_policy), kv, eos_token_ids)
+    worker = Worker(cache_engine, runner, sampler, device)
     return EngineComponents(device, hf_config, tokenizer, max_model_len, num_gpu_blocks,
-                            num_cpu_blocks, kv, cache_engine, runner, sampler, scheduler,
+                            num_cpu_blocks, kv, cache_engine, runner, sampler, scheduler, worker,
                             generation.sampling, eos_token_ids)
 
 

@@ -1,0 +1,118 @@
+"""Worker: executes one step's plan on the device and answers with what it computed.
+
+It owns the KV cache tensors (CacheEngine), the model runner and the sampler, and the only
+per-sequence state of the model side: the random generators of seeded requests. It reads the
+``SchedulerOutput`` and nothing else of the scheduler (with tensor parallelism each rank would
+run one on the broadcast plan), and returns a ``ModelRunnerOutput`` keyed by sequence id: all
+the torch work (logits, log-softmax, top-k, sampling) happens here, none in pagellm.core.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagellm.core.plan import (ModelRunnerOutput, PromptLogprob, SampledToken,
+                               ScheduledSequence, SchedulerOutput)
+from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
+
+
+class Worker:
+    """Invariant: ``generators`` holds one generator per live seeded sequence (sample id),
+    created the first time the sequence samples and dropped when the plan reports it
+    finished, so a seeded sample depends only on its seed, its index and its own history."""
+
+    def __init__(self, cache_engine: CacheEngine, runner: ModelRunner, sampler: Sampler,
+                 device: torch.device) -> None:
+        self.cache_engine = cache_engine
+        self.runner = runner
+        self.sampler = sampler
+        self.device = device
+        self.generators: dict[str, torch.Generator] = {}
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        for seq_id in plan.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        self._apply_cache_ops(plan)
+        output = ModelRunnerOutput()
+        if plan.is_empty:
+            return output
+        logits = self.runner.execute(plan.scheduled)  # [rows, vocab], rows as runner documents
+        sample_rows: list[int] = []
+        sample_seqs: list[tuple[ScheduledSequence, int]] = []  # (sequence, sample index)
+        row = 0
+        for item in plan.scheduled:
+            if item.need_prompt_logits:
+                output.prompt_logprobs[item.seq_id] = self._prompt_logprobs(
+                    item, logits[row:row + item.num_new_tokens])
+                row += item.num_new_tokens
+                last = row - 1
+            elif item.need_logits:
+                last = row
+                row += 1
+            if item.need_logits:
+                for index in range(len(item.sample_ids)):
+                    sample_rows.append(last)
+                    sample_seqs.append((item, index))
+        if sample_seqs:
+            # Rows 0..n-1 in order (plain decode batches) need no gathered copy of the logits.
+            picked = (logits[:len(sample_rows)] if sample_rows == list(range(len(sample_rows)))
+                      else logits[sample_rows])
+            sampled = self.sampler(picked, self._sampling_metadata(sample_seqs))
+            for i, (item, _) in enumerate(sample_seqs):
+                output.sampled.setdefault(item.seq_id, []).append(_sampled_token(sampled, i))
+        return output
+
+    def _apply_cache_ops(self, plan: SchedulerOutput) -> None:
+        if plan.blocks_to_swap_out:
+            self.cache_engine.swap_out(plan.blocks_to_swap_out)
+        if plan.blocks_to_swap_in:
+            self.cache_engine.swap_in(plan.blocks_to_swap_in)
+        if plan.blocks_to_copy:
+            self.cache_engine.copy_blocks(plan.blocks_to_copy)
+
+    def _sampling_metadata(self, rows: list[tuple[ScheduledSequence, int]]) -> SamplingMetadata:
+        params, prompts, outputs, generators = [], [], [], []
+        for item, index in rows:
+            params.append(item.params)
+            prompts.append(item.token_ids[:item.num_prompt_tokens])
+            outputs.append(item.token_ids[item.num_prompt_tokens:])
+            generators.append(self._generator(item, index))
+        return SamplingMetadata(params, prompts, outputs, generators)
+
+    def _generator(self, item: ScheduledSequence, index: int) -> torch.Generator | None:
+        seed = item.params.seed
+        if seed is None:
+            return None
+        sample_id = item.sample_ids[index]
+        generator = self.generators.get(sample_id)
+        if generator is None:
+            sample_index = int(sample_id.rpartition("#")[2] or 0)
+            if sample_index:
+                seed = (seed * 1_000_003 + sample_index) % (1 << 63)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[sample_id] = generator
+        return generator
+
+    @staticmethod
+    def _prompt_logprobs(item: ScheduledSequence, logits: torch.Tensor
+                         ) -> list[tuple[int, PromptLogprob]]:
+        """Row i predicts token ``num_computed_tokens + i + 1``; only prompt tokens count."""
+        start = item.num_computed_tokens
+        num_rows = min(logits.shape[0], item.num_prompt_tokens - 1 - start)
+        if num_rows <= 0:
+            return []
+        targets = torch.tensor(list(item.token_ids[start + 1:start + 1 + num_rows]),
+                               device=logits.device)
+        result = compute_logprobs(logits[:num_rows], targets,
+                                  [item.prompt_logprobs] * num_rows)
+        return [(start + i + 1, PromptLogprob(result.token_ids[i], result.logprobs[i],
+                                              result.ranks[i], result.top_logprobs[i] or []))
+                for i in range(num_rows)]
+
+
+def _sampled_token(sampled: SamplerOutput, i: int) -> SampledToken:
+    if sampled.logprobs is None:
+        return SampledToken(sampled.token_ids[i])
+    return SampledToken(sampled.token_ids[i], sampled.logprobs[i], sampled.ranks[i],
+                        sampled.top_logprobs[i])
