@@ -14,7 +14,7 @@ from dataclasses import dataclass
 LogprobsDict = dict[int, "Logprob"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """The log-probability of one token under the model's raw distribution.
 
@@ -27,7 +27,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One of the ``n`` completions of a request.
 
@@ -84,7 +84,7 @@ class RequestMetrics:
         return self.finished_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request as seen by the user.
 

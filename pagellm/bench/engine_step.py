@@ -97,14 +97,15 @@ def build_step_engine(config: StepBenchConfig):
 
 
 def _add_requests(engine, num_seqs: int, config: StepBenchConfig, tag: str) -> None:
-    from pagellm.sampling_params import SamplingParams
+    from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
     rng = random.Random(f"{config.seed}-{tag}")
     vocab = engine.hf_config.vocab_size
     # Sequences admitted first decode while later ones prefill (chunked prefill), so they
-    # need room for those steps too: none may finish during the timed steps.
+    # need room for those steps too: none may finish during the timed steps. DELTA outputs,
+    # as the server streams them (a CUMULATIVE output copies every token list each step).
     params = SamplingParams(temperature=0.0, max_tokens=config.decode_steps + PREFILL_SLACK,
-                            ignore_eos=True)
+                            ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     for i in range(num_seqs):
         prompt = [rng.randrange(3, vocab) for _ in range(config.prompt_len)]
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)

@@ -101,8 +101,9 @@ class OutputProcessor:
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA
-        completions = [self._completion(seq, delta)
-                       for seq in sorted(request.seqs, key=lambda s: s.index)]
+        seqs = request.seqs if len(request.seqs) == 1 else sorted(request.seqs,
+                                                                   key=lambda s: s.index)
+        completions = [self._completion(seq, delta) for seq in seqs]
         prompt_logprobs = request.prompt_logprobs
         if delta and request.prompt_logprobs_sent:
             prompt_logprobs = None

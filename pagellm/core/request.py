@@ -45,7 +45,7 @@ class Sequence:
     __slots__ = ("seq_id", "index", "request", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "stop_reason", "cumulative_logprob",
                  "logprobs", "detokenizer", "text", "last_token_time", "num_sent_tokens",
-                 "num_sent_text")
+                 "num_sent_text", "fcfs_key", "priority_key")
 
     def __init__(self, seq_id: str, index: int, request: Request, token_ids: list[int]) -> None:
         self.seq_id = seq_id
@@ -64,6 +64,10 @@ class Sequence:
         self.last_token_time = 0.0
         self.num_sent_tokens = 0  # output tokens and text already in a DELTA output
         self.num_sent_text = 0
+        # scheduling order, smaller first (lower priority value = served earlier, as vLLM);
+        # fixed for the sequence's life, so computed once
+        self.fcfs_key = (0, request.arrival_time, request.seq_no, index)
+        self.priority_key = (request.priority, *self.fcfs_key[1:])
 
     @property
     def num_tokens(self) -> int:
@@ -81,12 +85,6 @@ class Sequence:
     def is_prefill(self) -> bool:
         """True while more than the last token remains to compute (prompt or recomputation)."""
         return self.num_tokens - self.num_computed_tokens > 1
-
-    def sort_key(self, use_priority: bool) -> tuple:
-        """Scheduling order: smaller first. Lower priority value = served earlier (vLLM)."""
-        r = self.request
-        return ((r.priority if use_priority else 0), r.arrival_time, r.seq_no, self.index)
-
 
 @dataclass(eq=False)
 class Request:

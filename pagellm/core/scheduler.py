@@ -28,6 +28,7 @@ that does not fit leaves no trace.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 
 from pagellm.core.plan import ModelRunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
@@ -74,6 +75,7 @@ class Scheduler:
         self.kv = kv
         self.eos_token_ids = eos_token_ids
         self.use_priority = config.policy == "priority"
+        self._key = operator.attrgetter("priority_key" if self.use_priority else "fcfs_key")
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -121,8 +123,6 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.seqs)
 
-    def _key(self, seq: Sequence) -> tuple:
-        return seq.sort_key(self.use_priority)
 
     def next_waiting(self) -> Sequence | None:
         """The waiting sequence that would be admitted first (None when none waits)."""
@@ -162,22 +162,25 @@ class Scheduler:
         return budget if self.config.enable_chunked_prefill else 0
 
     def _schedule_running(self, out: SchedulerOutput, budget: list[int]) -> None:
-        decodes = sorted((s for s in self.running if not s.is_prefill), key=self._key)
-        prefills = sorted((s for s in self.running if s.is_prefill), key=self._key)
-        queue = decodes + prefills
-        while queue:
-            seq = queue.pop(0)
+        decodes, prefills = [], []
+        for seq in self.running:
+            (prefills if seq.num_tokens - seq.num_computed_tokens > 1 else decodes).append(seq)
+        queue = sorted(decodes, key=self._key) + sorted(prefills, key=self._key)
+        preempted: set[str] = set()
+        for i, seq in enumerate(queue):
+            if seq.seq_id in preempted:
+                continue
             num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget[0])
             if num_new == 0:
                 continue
             while (copies := self.kv.allocate_slots(seq.seq_id, seq.token_ids,
                                                     num_new)) is None:
                 # The lowest priority among those not yet scheduled this step.
-                victim = max(queue, key=self._key, default=seq)
+                rest = [s for s in queue[i + 1:] if s.seq_id not in preempted]
+                victim = max(rest, key=self._key, default=seq)
                 if self._key(victim) < self._key(seq):
                     victim = seq
-                if victim is not seq:
-                    queue.remove(victim)
+                preempted.add(victim.seq_id)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -301,24 +304,31 @@ class Scheduler:
     def update_from_output(self, plan: SchedulerOutput,
                            output: ModelRunnerOutput) -> StepUpdate:
         update = StepUpdate()
+        new_tokens, requests = update.new_tokens, update.requests
+        sampled, prompt_logprobs = output.sampled, output.prompt_logprobs
         for item in plan.scheduled:
             seq = self.seqs.get(item.seq_id)
             if seq is None:  # finished (aborted) while the step ran
                 continue
             seq.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-            self.kv.mark_computed(seq.seq_id)  # its new blocks' hashes are final now
-            update.requests[seq.request.request_id] = seq.request
-            if item.seq_id in output.prompt_logprobs:
-                seq.request.pending_prompt_logprobs.extend(output.prompt_logprobs[item.seq_id])
-            samples = output.sampled.get(item.seq_id)
+            self.kv.mark_computed(item.seq_id)  # its new blocks' hashes are final now
+            request = seq.request
+            if prompt_logprobs and item.seq_id in prompt_logprobs:
+                request.pending_prompt_logprobs.extend(prompt_logprobs[item.seq_id])
+            samples = sampled.get(item.seq_id)
             if not samples:
                 continue
+            requests[request.request_id] = request
+            if len(samples) == 1:
+                seq.token_ids.append(samples[0].token_id)
+                new_tokens.append((seq, samples[0]))
+                self._check_stop(seq, samples[0].token_id)
+                continue
+            request.forked = True
             targets = [seq] + [self._fork(seq, i) for i in range(1, len(samples))]
-            if len(samples) > 1:
-                seq.request.forked = True
             for target, sample in zip(targets, samples):
                 target.token_ids.append(sample.token_id)
-                update.new_tokens.append((target, sample))
+                new_tokens.append((target, sample))
                 self._check_stop(target, sample.token_id)
         return update
 
@@ -348,13 +358,14 @@ class Scheduler:
         strings come after, in the output processor)."""
         request = seq.request
         params = request.params
-        if seq.num_output_tokens >= params.min_tokens:
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 self.finish(seq, SequenceStatus.FINISHED_STOPPED)
                 return
             if params.stop_token_ids and token in params.stop_token_ids:
                 self.finish(seq, SequenceStatus.FINISHED_STOPPED, token)
                 return
-        if (seq.num_output_tokens >= request.max_tokens
-                or seq.num_tokens >= self.config.max_model_len):
+        if num_output >= request.max_tokens or num_tokens >= self.config.max_model_len:
             self.finish(seq, SequenceStatus.FINISHED_LENGTH)

@@ -32,7 +32,8 @@ from pagellm.sampling_params import SAMPLING_EPS, SamplingParams
 class SamplingMetadata:
     """What the sampler needs to know about each row of one step's logits.
 
-    All lists have one entry per row. A row's generator is its request's own
+    All lists have one entry per row. A row's token histories are read only for penalties
+    and min_tokens, and may be empty for a row that has neither. A row's generator is its request's own
     ``torch.Generator`` (on the logits' device) when the request has a seed, so that its samples
     depend only on its seed and its own history, never on which other requests share the batch;
     None means the global random generator.
@@ -103,7 +104,7 @@ class Sampler:
     def _apply_min_tokens_and_penalties(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         """Returns ``logits`` itself when no row needs either, else a processed copy."""
         banned_rows, banned_tokens = self._min_tokens_bans(meta)
-        penalised = [i for i, p in enumerate(meta.params) if _has_penalties(p)]
+        penalised = [i for i, p in enumerate(meta.params) if has_penalties(p)]
         if not banned_rows and not penalised:
             return logits
         logits = logits.clone()
@@ -166,7 +167,7 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: Sequence[i
     return SamplerOutput(token_ids.tolist(), logprobs, ranks, top)
 
 
-def _has_penalties(p: SamplingParams) -> bool:
+def has_penalties(p: SamplingParams) -> bool:
     return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
             or p.frequency_penalty != 0.0)
 

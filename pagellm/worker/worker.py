@@ -14,7 +14,8 @@ from pagellm.core.plan import (ModelRunnerOutput, PromptLogprob, SampledToken,
                                ScheduledSequence, SchedulerOutput)
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.model_runner import ModelRunner
-from pagellm.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs
+from pagellm.worker.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_logprobs,
+                                    has_penalties)
 
 
 class Worker:
@@ -74,10 +75,13 @@ class Worker:
     def _sampling_metadata(self, rows: list[tuple[ScheduledSequence, int]]) -> SamplingMetadata:
         params, prompts, outputs, generators = [], [], [], []
         for item, index in rows:
-            params.append(item.params)
-            prompts.append(item.token_ids[:item.num_prompt_tokens])
-            outputs.append(item.token_ids[item.num_prompt_tokens:])
-            generators.append(self._generator(item, index))
+            p = item.params
+            params.append(p)
+            # only penalties and min_tokens read the token history: skip the copies otherwise
+            history = p.min_tokens or has_penalties(p)
+            prompts.append(item.token_ids[:item.num_prompt_tokens] if history else ())
+            outputs.append(item.token_ids[item.num_prompt_tokens:] if history else ())
+            generators.append(self._generator(item, index) if p.seed is not None else None)
         return SamplingMetadata(params, prompts, outputs, generators)
 
     def _generator(self, item: ScheduledSequence, index: int) -> torch.Generator | None:
