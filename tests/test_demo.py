@@ -30,3 +30,5 @@ def test_random_weight_demo_runs_and_reports_kv_statistics(tmp_path, capsys, nam
     summary = json.loads(out[out.index("{"):])
     assert summary["requests"] == 3 and summary["output_tokens"] == 15
     assert summary["prefix_cache_hit_tokens"] > 0
+    paths = summary["execution_paths"]  # which attention and matmul code ran, in words
+    assert {"decode attention", "prefill attention", "matmul", "layer ops"} <= set(paths)

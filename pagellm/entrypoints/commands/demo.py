@@ -82,6 +82,7 @@ def resolve_demo_model(name: str | None, cache_dir: str | None) -> tuple[str, st
 
 def run(args: argparse.Namespace) -> int:
     from pagellm import LLM, SamplingParams
+    from pagellm.worker.execution_paths import describe_paths
 
     model, description, random_weights = resolve_demo_model(args.model, args.cache_dir)
     print(description)
@@ -96,9 +97,13 @@ def run(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens or (64 if random_weights else 128),
                             ignore_eos=random_weights)
     prompts = [_prompt(llm.get_tokenizer(), q) for q in questions]
-    outputs, summary = _generate(llm.llm_engine, prompts, params)
+    engine = llm.llm_engine
+    paths = describe_paths(engine.runner.model, str(engine.device))
+    if not args.json:
+        print("\n".join(f"{name:>18}: {path}" for name, path in paths.items()))
+    outputs, summary = _generate(engine, prompts, params)
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps({**summary, "execution_paths": paths}, indent=2))
         return 0
     shown = outputs if not random_weights else outputs[:4]
     for question, out in zip(questions, shown):
