@@ -73,9 +73,12 @@ class _StepRecorder:
         self.padded_prompt_len = padded_prompt_len
         self.waiting = waiting
         self.steps = 0
+        self.first_token_s: float | None = None  # since the run's start
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         self.steps += 1
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter() - self.start
         self.record(self.steps)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -96,6 +99,7 @@ def run_hf_static(model, requests: list[BenchRequest], kv_slots_budget: int,
     timeline = Timeline()
     generated = 0
     done = 0
+    ttft: list[float] = []
     start = time.perf_counter()
     for batch in batches:
         chunk = [requests[i] for i in batch]
@@ -117,13 +121,14 @@ def run_hf_static(model, requests: list[BenchRequest], kv_slots_budget: int,
             raise RuntimeError(f"generate stopped after {new_tokens} of {longest_output} tokens")
         generated += len(chunk) * new_tokens
         done += len(chunk)
+        ttft += [recorder.first_token_s] * len(chunk)
     elapsed = time.perf_counter() - start
     timeline.add(elapsed, 0, 0, 0, 0)
     return RunResult(
         system="hf", num_requests=len(requests),
         prompt_tokens=sum(r.prompt_len for r in requests),
         output_tokens=sum(r.output_len for r in requests), generated_tokens=generated,
-        elapsed_s=elapsed, kv_slots_budget=kv_slots_budget, timeline=timeline,
+        elapsed_s=elapsed, kv_slots_budget=kv_slots_budget, timeline=timeline, ttft_s=ttft,
         extra={"num_batches": len(batches),
                "batch_sizes": [len(b) for b in batches]})
 
@@ -162,7 +167,8 @@ def run_hf_continuous(model, requests: list[BenchRequest], num_blocks: int, bloc
         start = time.perf_counter()
         for i, request in enumerate(requests):
             manager.add_request(request.prompt_token_ids, request_id=f"req_{i}",
-                                max_new_tokens=request.output_len, eos_token_id=-1)
+                                max_new_tokens=request.output_len, eos_token_id=-1,
+                                record_timestamps=True)
         last_sample = -poll_interval
         while len(results) < len(requests):
             result = manager.get_result(timeout=poll_interval)
@@ -184,6 +190,7 @@ def run_hf_continuous(model, requests: list[BenchRequest], num_blocks: int, bloc
         prompt_tokens=sum(r.prompt_len for r in requests),
         output_tokens=generated, generated_tokens=generated, elapsed_s=elapsed,
         kv_slots_budget=num_blocks * block_size, timeline=timeline,
+        ttft_s=[r.timestamps[0] - start for r in results.values() if r.timestamps],
         extra={"requested_output_tokens": sum(r.output_len for r in requests)})
 
 

@@ -125,7 +125,7 @@ def run_engine(engine, requests: list[BenchRequest], system: str = "paged") -> R
     before = engine.get_stats()
     timeline = Timeline()
     finished: dict[str, Any] = {}
-    start = time.perf_counter()
+    start, start_wall = time.perf_counter(), time.time()  # request metrics use time.time()
     for i, request in enumerate(requests):
         params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
         engine.add_request(str(i), {"prompt_token_ids": request.prompt_token_ids}, params)
@@ -139,7 +139,10 @@ def run_engine(engine, requests: list[BenchRequest], system: str = "paged") -> R
                      stats.slots_filled)
     elapsed = time.perf_counter() - start
     after = engine.get_stats()
-    return _engine_result(system, engine, requests, finished, timeline, elapsed, before, after)
+    result = _engine_result(system, engine, requests, finished, timeline, elapsed, before, after)
+    result.ttft_s = [o.metrics.first_token_time - start_wall for o in finished.values()
+                     if o.metrics is not None and o.metrics.first_token_time is not None]
+    return result
 
 
 def _engine_result(system: str, engine, requests: list[BenchRequest], finished: dict[str, Any],

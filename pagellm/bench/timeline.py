@@ -79,6 +79,7 @@ class RunResult:
     num_preemptions: int = 0
     num_swaps: int = 0
     prefix_hit_rate: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)  # per request, from the run's start
     extra: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -102,8 +103,20 @@ class RunResult:
             "num_preemptions": self.num_preemptions,
             "num_swaps": self.num_swaps,
             "prefix_hit_rate": round(self.prefix_hit_rate, 4),
+            "ttft_ms": ttft_summary(self.ttft_s),
             **self.extra,
         }
 
     def to_dict(self, max_points: int = 400) -> dict[str, Any]:
         return {**self.summary(), "timeline": self.timeline.downsampled(max_points)}
+
+
+def ttft_summary(ttft_s: list[float]) -> dict[str, float] | None:
+    """Mean, median and 90th percentile time to first token in ms (every request is queued at
+    the run's start, so this includes queueing), or None when not measured."""
+    if not ttft_s:
+        return None
+    ordered = sorted(ttft_s)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"mean": round(1000 * sum(ordered) / len(ordered), 1),
+            "p50": round(1000 * pick(0.5), 1), "p90": round(1000 * pick(0.9), 1)}

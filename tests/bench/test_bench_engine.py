@@ -65,6 +65,8 @@ def test_memory_experiment_report(tiny_model, tmp_path):
             assert key in report[name]
         _check_run(report[name], 16, requested)
         assert report[name]["kv_slots_budget"] == budget["num_slots"]
+        ttft = report[name]["ttft_ms"]  # every system reports its time to first token
+        assert 0 < ttft["p50"] <= ttft["p90"] <= 1000 * report[name]["elapsed_s"]
     # Static batches compute at least what was asked; the others exactly that.
     assert report["hf"]["generated_tokens"] >= requested
     # The contiguous allocator holds at most the budget's number of max-length reservations.
