@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pagellm.attention import KVCache
+from pagellm.kv.memory import KVMemoryModel
 from pagellm.model.decoder import head_dim_of
 
 
@@ -50,11 +51,10 @@ class CacheEngine:
 
     @staticmethod
     def bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of ``block_size`` tokens over all layers:
-        2 x layers x block_size x num_kv_heads x head_dim x dtype bytes."""
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return (2 * hf_config.num_hidden_layers * block_size * hf_config.num_key_value_heads
-                * head_dim_of(hf_config) * element_size)
+        """K and V of ``block_size`` tokens over all layers, by the KV memory model
+        (pagellm.kv.memory: 2 x layers x num_kv_heads x head_dim x dtype bytes per token), the
+        one formula kv-calc and the KV sizing share."""
+        return kv_memory_model(hf_config, dtype).bytes_per_block(block_size)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy device block src -> dst for each (src, dst), all layers (copy-on-write)."""
@@ -88,6 +88,16 @@ class CacheEngine:
             raise ValueError(f"block ids out of range (source < {num_src}, "
                              f"destination < {num_dst}): {list(pairs)[:8]}")
         return src.to(device), dst.to(device)
+
+
+def kv_memory_model(hf_config: Any, dtype: torch.dtype) -> KVMemoryModel:
+    """The KV memory model of a loaded config, the cache stored in ``dtype``."""
+    return KVMemoryModel(
+        name=str(getattr(hf_config, "model_type", "model")),
+        num_layers=hf_config.num_hidden_layers,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads, head_dim=head_dim_of(hf_config),
+        dtype=str(dtype).removeprefix("torch."))
 
 
 _HUGE_PAGE = 2 << 20

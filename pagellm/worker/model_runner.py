@@ -37,6 +37,13 @@ class ScheduledSeq:
     need_prompt_logits: bool = False
 
 
+def logits_rows(seq: ScheduledSeq) -> int:
+    """Logits rows ``execute`` returns for a scheduled sequence, its last computed tokens':
+    all of them for prompt logprobs (the last is also its sampling row), else one when it
+    samples, else none. The one definition of the row layout."""
+    return seq.num_new_tokens if seq.need_prompt_logits else int(seq.need_logits)
+
+
 @dataclass(slots=True)
 class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64, packed prefills first
@@ -102,10 +109,7 @@ class ModelRunner:
         rows: list[int] = []
         for i, seq in enumerate(batch):
             end = start_of[i] + seq.num_new_tokens
-            if seq.need_prompt_logits:
-                rows.extend(range(start_of[i], end))
-            elif seq.need_logits:
-                rows.append(end - 1)
+            rows.extend(range(end - logits_rows(seq), end))
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
 
     def _check(self, seq: ScheduledSeq) -> None:

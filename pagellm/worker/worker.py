@@ -13,7 +13,7 @@ import torch
 from pagellm.core.plan import (ModelRunnerOutput, PromptLogprob, SampledToken,
                                ScheduledSequence, SchedulerOutput)
 from pagellm.worker.cache_engine import CacheEngine
-from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.model_runner import ModelRunner, logits_rows
 from pagellm.worker.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_logprobs,
                                     has_penalties)
 
@@ -43,17 +43,14 @@ class Worker:
         sample_seqs: list[tuple[ScheduledSequence, int]] = []  # (sequence, sample index)
         row = 0
         for item in plan.scheduled:
+            num_rows = logits_rows(item)
             if item.need_prompt_logits:
                 output.prompt_logprobs[item.seq_id] = self._prompt_logprobs(
-                    item, logits[row:row + item.num_new_tokens])
-                row += item.num_new_tokens
-                last = row - 1
-            elif item.need_logits:
-                last = row
-                row += 1
-            if item.need_logits:
+                    item, logits[row:row + num_rows])
+            row += num_rows
+            if item.need_logits:  # its last row; several samples for a forking prompt
                 for index in range(len(item.sample_ids)):
-                    sample_rows.append(last)
+                    sample_rows.append(row - 1)
                     sample_seqs.append((item, index))
         if sample_seqs:
             # Rows 0..n-1 in order (plain decode batches) need no gathered copy of the logits.
