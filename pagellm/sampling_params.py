@@ -24,6 +24,21 @@ SAMPLING_EPS = 1e-5
 # vocabulary and a Python object per token, so an unbounded value is a cheap denial of service.
 MAX_LOGPROBS = 20
 
+# The sampler computes in float32. A value that float32 turns into 0 or inf (1e-46, 1e300) would
+# give NaN or inf logits, so every float field is bounded: nonzero magnitudes below float32's
+# smallest normal number are refused, and the unbounded fields get ceilings far beyond any use.
+# vLLM's own ranges apply where it has them (top_p, min_p, the penalties, temperature >= 0).
+FLOAT32_TINY = 1.1754943508222875e-38
+MAX_TEMPERATURE = 1e3  # the distribution is uniform to float32 precision long before this
+MIN_REPETITION_PENALTY = 1e-3
+MAX_REPETITION_PENALTY = 1e3
+# Stop strings are matched on every new token of the sequence: bounded so that one request
+# cannot slow the engine loop for every other one (OpenAI allows 4).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+# Each stop token id costs a ban per step while min_tokens is not reached.
+MAX_STOP_TOKEN_IDS = 1024
+
 
 class RequestOutputKind(enum.Enum):
     """What each RequestOutput of a request carries (vLLM's names)."""
@@ -126,8 +141,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _require_int(name, value)
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "temperature", "top_p", "min_p"):
+        for name in _FLOAT_FIELDS:
             _require_real(name, getattr(self, name))
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
@@ -142,8 +156,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, int(value))
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "temperature", "top_p", "min_p"):
+        for name in _FLOAT_FIELDS:
             setattr(self, name, float(getattr(self, name)))
         if self.top_k == -1:
             self.top_k = 0
@@ -165,11 +178,21 @@ class SamplingParams:
         _require("top_k", self.top_k, self.top_k >= 0,
                  "must be -1 or 0 (disabled) or at least 1")
         _require("min_p", self.min_p, 0.0 <= self.min_p <= 1.0, "must be in [0, 1]")
+        _require("temperature", self.temperature, self.temperature <= MAX_TEMPERATURE,
+                 f"must be <= {MAX_TEMPERATURE:g} (MAX_TEMPERATURE)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(name, value, -2.0 <= value <= 2.0, "must be in [-2, 2]")
         _require("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0.0,
                  "must be > 0")
+        _require("repetition_penalty", self.repetition_penalty,
+                 MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                 f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _require(name, value, value == 0.0 or abs(value) >= FLOAT32_TINY,
+                     f"must be 0 or at least {FLOAT32_TINY:.4g} in magnitude (float32 would "
+                     "round it to 0)")
         if self.max_tokens is not None:
             _require("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be at least 1")
         _require("min_tokens", self.min_tokens, self.min_tokens >= 0, "must be >= 0")
@@ -181,10 +204,13 @@ class SamplingParams:
             if value is not None:
                 _require(name, value, 0 <= value <= MAX_LOGPROBS,
                          f"must be in [0, {MAX_LOGPROBS}] (MAX_LOGPROBS)")
-        for s in self.stop:
-            _require("stop", s, len(s) > 0, "must not contain empty strings")
+        _check_stop_sizes(self.stop, self.stop_token_ids)
         for t in self.stop_token_ids:
             _require("stop_token_ids", t, t >= 0, "must contain non-negative token ids")
+
+
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                 "top_p", "min_p")
 
 
 def _record_user_set_fields(init):
@@ -227,3 +253,16 @@ def _check_stop_types(stop: Any, stop_token_ids: Any) -> None:
             raise ValueError(f"stop_token_ids must be a list of int, got {stop_token_ids!r}")
         for t in stop_token_ids:
             _require_int("stop_token_ids", t)
+
+
+def _check_stop_sizes(stop: list[str], stop_token_ids: list[int]) -> None:
+    _require("stop", f"a list of {len(stop)} strings", len(stop) <= MAX_STOP_STRINGS,
+             f"must hold at most {MAX_STOP_STRINGS} strings (MAX_STOP_STRINGS)")
+    for s in stop:
+        _require("stop", s, len(s) > 0, "must not contain empty strings")
+        _require("stop", f"a string of {len(s)} characters", len(s) <= MAX_STOP_STRING_CHARS,
+                 f"strings must be at most {MAX_STOP_STRING_CHARS} characters "
+                 "(MAX_STOP_STRING_CHARS)")
+    _require("stop_token_ids", f"a list of {len(stop_token_ids)} ids",
+             len(stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"must hold at most {MAX_STOP_TOKEN_IDS} ids (MAX_STOP_TOKEN_IDS)")

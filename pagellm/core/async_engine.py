@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from pagellm.config import EngineArgs
-from pagellm.core.engine import LLMEngine, PromptType
+from pagellm.core.engine import EngineDeadError, LLMEngine, PromptType
 from pagellm.core.stats import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -35,10 +35,6 @@ STATS_REFRESH_S = 0.1
 # An idle engine loop still wakes up this often, so that ``on_step`` (the periodic log line)
 # sees the engine go quiet.
 IDLE_TICK_S = 5.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped after an unexpected error; no request can be served."""
 
 
 class EngineShuttingDown(RuntimeError):

@@ -5,6 +5,20 @@ the scheduler owns sequences and the KV cache manager (what runs, forks, stops, 
 worker computes what the plan asks (logits, samples, logprobs), the output processor turns
 tokens into text and outputs. A step is: schedule, execute, update from the output, make
 outputs (vLLM v1's shape).
+
+Failures are attributed as narrowly as the engine can tell (nothing a client sends may stop
+the engine for the others):
+
+- a request that could never run (bad values, a prompt too long, a min_tokens that bans every
+  token) is refused by ``add_request`` with a ValueError;
+- a runner output that is wrong for one sequence (a sampled id outside ``[0, vocab_size)``)
+  fails that sequence's request only: its output carries the error, its blocks are freed;
+- an exception raised while the worker executes a step cannot be pinned on one request (a
+  partly applied step, its swaps, copies and generator draws, cannot be replayed to find out):
+  the step's requests fail with the error and the engine goes on serving the others;
+- ``MAX_CONSECUTIVE_FAILED_STEPS`` failing steps in a row are the engine's own failure (the
+  device, the model), not a request's: ``step()`` raises ``EngineDeadError`` and the server
+  reports itself unhealthy.
 """
 from __future__ import annotations
 
@@ -26,6 +40,13 @@ from pagellm.sampling_params import SamplingParams
 logger = logging.getLogger("pagellm")
 
 PromptType = str | list[int] | dict[str, Any]
+
+# Steps that fail in a row before the engine is declared dead; one success resets the count.
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
+class EngineDeadError(RuntimeError):
+    """The engine itself failed (several steps in a row): no request can be served."""
 
 
 class LLMEngine:
@@ -54,6 +75,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         self.stats = StatsTracker()
+        self.num_consecutive_failed_steps = 0
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -117,6 +139,14 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids holds {bad}, out of range [0, {vocab})")
+        if params.min_tokens > 0:
+            banned = set(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                banned.update(self.scheduler.eos_token_ids)
+            if len(banned) >= vocab:
+                raise ValueError(
+                    f"min_tokens={params.min_tokens} bans every one of the {vocab} tokens of the "
+                    "vocabulary (stop_token_ids and EOS): nothing could be sampled")
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         room = self.max_model_len - num_prompt
@@ -160,23 +190,63 @@ class LLMEngine:
         self.stats.record_schedule(plan, self.scheduler.seqs)
         if plan.is_empty:
             return self._fail_unschedulable(plan)
-        runner_output = self._execute(plan)
-        update = self.scheduler.update_from_output(plan, runner_output)
-        return self._finish_step(update)
-
-    def _execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the plan; if that fails (or is interrupted), no request of the plan is left
-        holding slots whose K/V was never computed: they end with the error, then it is
-        raised."""
         try:
-            return self.worker.execute_model(plan)
-        except BaseException as exc:
-            failed = {self.scheduler.seqs[item.seq_id].request.request_id
-                      for item in plan.scheduled if item.seq_id in self.scheduler.seqs}
-            for request_id in failed:
-                self.requests[request_id].error = f"the engine step failed: {exc!r}"
-            self.abort_request(failed)
+            runner_output = self.worker.execute_model(plan)
+        except Exception as exc:  # noqa: BLE001 - attributed to the step's requests
+            return self._fail_step(plan, exc)
+        except BaseException as exc:  # interrupted: end the step's requests, then stop
+            self._fail_requests(self._plan_request_ids(plan), f"the engine step failed: {exc!r}")
             raise
+        self.num_consecutive_failed_steps = 0
+        failed = self._check_runner_output(plan, runner_output)
+        update = self.scheduler.update_from_output(plan, runner_output)
+        return failed + self._finish_step(update)
+
+    def _plan_request_ids(self, plan: SchedulerOutput) -> list[str]:
+        seqs = self.scheduler.seqs
+        return list(dict.fromkeys(seqs[item.seq_id].request.request_id
+                                  for item in plan.scheduled if item.seq_id in seqs))
+
+    def _fail_requests(self, request_ids: Iterable[str], error: str) -> list[RequestOutput]:
+        """End requests with ``error`` in their outputs; their blocks are freed (and no K/V
+        that was never written stays in the prefix cache)."""
+        request_ids = [rid for rid in request_ids if rid in self.requests]
+        for request_id in request_ids:
+            self.requests[request_id].error = error
+        return self.abort_request(request_ids)
+
+    def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The worker raised: the step's requests fail, the engine goes on, unless steps keep
+        failing (then the fault is the engine's own)."""
+        self.num_consecutive_failed_steps += 1
+        logger.error("engine step failed (%d in a row): %r", self.num_consecutive_failed_steps,
+                     exc, exc_info=exc)
+        outputs = self._fail_requests(self._plan_request_ids(plan),
+                                      f"the engine step failed: {exc!r}")
+        if self.num_consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineDeadError(f"{self.num_consecutive_failed_steps} engine steps failed in a "
+                                  f"row, the last with {exc!r}") from exc
+        return outputs
+
+    def _check_runner_output(self, plan: SchedulerOutput,
+                             output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Fail the request of each sequence whose sampled ids are not token ids (they would
+        break the next step's embedding lookup for the whole batch)."""
+        vocab = self.hf_config.vocab_size
+        bad: dict[str, str] = {}
+        for item in plan.scheduled:
+            token = next((s.token_id for s in output.sampled.get(item.seq_id, ())
+                          if not (isinstance(s.token_id, int) and 0 <= s.token_id < vocab)),
+                         None)
+            seq = self.scheduler.seqs.get(item.seq_id)
+            if token is not None and seq is not None:
+                bad[seq.request.request_id] = (f"the model produced token id {token!r}, out of "
+                                               f"range [0, {vocab})")
+        outputs = []
+        for request_id, error in bad.items():
+            logger.error("request %s failed: %s", request_id, error)
+            outputs += self._fail_requests([request_id], error)
+        return outputs
 
     def _finish_step(self, update: StepUpdate) -> list[RequestOutput]:
         now = time.time()

@@ -11,6 +11,7 @@ last output: what a stream sends) or FINAL_ONLY (one output, when the request fi
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from pagellm.core.detokenizer import IncrementalDetokenizer, check_stop_strings
@@ -21,6 +22,8 @@ from pagellm.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from pagellm.core.scheduler import Scheduler, StepUpdate
+
+logger = logging.getLogger("pagellm")
 
 
 class OutputProcessor:
@@ -33,7 +36,15 @@ class OutputProcessor:
     def process(self, update: StepUpdate, scheduler: Scheduler) -> list[RequestOutput]:
         """Apply one step's new tokens; return the outputs of the requests that progressed."""
         for seq, sample in update.new_tokens:
-            self._add_token(seq, sample, scheduler)
+            if seq.request.error is not None:
+                continue
+            try:
+                self._add_token(seq, sample, scheduler)
+            except Exception as exc:  # noqa: BLE001 - one request's failure, not the engine's
+                logger.exception("request %s failed in output processing",
+                                 seq.request.request_id)
+                seq.request.error = f"output processing failed: {exc!r}"
+                scheduler.abort_request(seq.request)
         outputs = []
         for request in sorted(update.requests.values(), key=lambda r: r.seq_no):
             output = self.make_output(request)

@@ -8,6 +8,10 @@ they belong to. The order of operations is vLLM's:
 2. Penalties: repetition over prompt and output tokens, presence and frequency over output tokens.
 3. Temperature, then top-k, top-p and min-p (random rows only).
 4. Choice: argmax for greedy rows; inverse-CDF sampling for random rows.
+5. Repair: a row whose choice is not a token id (its logits held NaN or +inf, or every token
+   was banned, so its probabilities are NaN) falls back to the argmax of its processed logits,
+   NaN read as -inf, then of its raw logits: whatever the logits, every id returned is in
+   ``[0, vocab_size)``, so one bad row never reaches the next step's embedding lookup.
 
 Logprobs are those of the raw model distribution (before any of the above), as vLLM returns
 by default, so they mean the same thing whatever the sampling settings.
@@ -61,7 +65,8 @@ class SamplerOutput:
 class Sampler:
     """Turns a step's logits into next tokens.
 
-    Invariants: the logits passed in are never modified; greedy rows are deterministic (first
+    Invariants: the logits passed in are never modified; every returned token id is in
+    ``[0, vocab_size)``; greedy rows are deterministic (first
     maximum on ties); a seeded row's token is a function of its logits, its params, its token
     history and its generator's state only.
     """
@@ -93,6 +98,7 @@ class Sampler:
             token_ids[rows] = _sample_random(
                 processed[rows], [meta.params[i] for i in random_rows],
                 [meta.generators[i] for i in random_rows])
+        token_ids = _repair_invalid(token_ids, processed, logits)
         num_logprobs = [p.logprobs for p in meta.params]
         if all(k is None for k in num_logprobs):
             # Nobody asked: skip the [rows, vocab] logsumexp (as vLLM does).
@@ -132,6 +138,23 @@ class Sampler:
             rows.extend([i] * len(stops))
             tokens.extend(stops)
         return rows, tokens
+
+
+def _repair_invalid(token_ids: Tensor, processed: Tensor, logits: Tensor) -> Tensor:
+    """Replace ids outside ``[0, vocab)`` (NaN probabilities make the inverse-CDF search run
+    past the end) by the argmax of the processed row with NaN as -inf, or, when that row is
+    all -inf, of the raw row (an all -inf row gives id 0)."""
+    vocab = logits.shape[1]
+    bad = (token_ids < 0) | (token_ids >= vocab)  # [num_rows]
+    if not bool(bad.any()):
+        return token_ids
+    rows = bad.nonzero().squeeze(1)
+    fallback = processed[rows].nan_to_num(nan=-math.inf)  # [bad rows, vocab]
+    dead = torch.isneginf(fallback).all(dim=-1)
+    fallback[dead] = logits[rows[dead]].nan_to_num(nan=-math.inf)
+    token_ids = token_ids.clone()
+    token_ids[rows] = fallback.argmax(dim=-1)
+    return token_ids
 
 
 def compute_logprobs(logits: Tensor, token_ids: Tensor, num_logprobs: Sequence[int | None],
