@@ -82,8 +82,12 @@ class ServerProcess:
         return self.proc.returncode
 
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
 def get_stats(server) -> dict:
-    return httpx.get(f"{server.url}/stats", timeout=10).json()
+    """/stats (with the API key, which a server without one ignores)."""
+    return httpx.get(f"{server.url}/stats", headers=AUTH, timeout=10).json()
 
 
 def wait_all_blocks_free(server, timeout: float = 10.0) -> dict:

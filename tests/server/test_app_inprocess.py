@@ -19,7 +19,7 @@ def call(fake: FakeEngine, requests: list[tuple[str, str, dict | None]]) -> list
     async def main():
         metrics = EngineMetrics("fake")
         engine = AsyncLLMEngine(fake, on_step=metrics.observe_step)
-        app = build_app(engine, "/models/fake", ["fake"], metrics)
+        app = build_app(engine, ["fake"], metrics)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:

@@ -143,15 +143,18 @@ def test_tokenize_detokenize_round_trip(server):
                         headers=headers).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0
     assert tokens["max_model_len"] == MAX_MODEL_LEN
-    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]},
+                      headers=headers).json()
     assert text["prompt"] == PROMPT
-    chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES},
+                      headers=headers).json()
     assert chat["count"] > tokens["count"]
 
 
 def test_metrics_and_stats_reflect_served_requests(client, server):
     client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0)
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics",
+                     headers={"Authorization": f"Bearer {API_KEY}"}).text
     names = ["num_requests_running", "num_requests_waiting", "num_requests_swapped",
              "kv_cache_usage_perc", "kv_cache_waste_perc", "prefix_cache_queries_total",
              "prefix_cache_hits_total", "num_preemptions_total", "num_swaps_total",

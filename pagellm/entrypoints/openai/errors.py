@@ -7,8 +7,10 @@ NotFoundError) with a readable message.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
+from collections.abc import Sequence
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -25,7 +27,7 @@ logger = logging.getLogger("pagellm")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error",
+          408: "invalid_request_error", 413: "invalid_request_error",
           500: "server_error", 503: "service_unavailable"}
 _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__)
 
@@ -100,7 +102,9 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(status).phrase
         if status == 404:
             message = "not found: no such route"
-        return error_response(message, status)
+        response = error_response(message, status)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -108,21 +112,32 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(err.message, err.status, err.param, err.code)
 
 
-class APIKeyMiddleware:
-    """Demands ``Authorization: Bearer <key>`` on every ``/v1`` route (pure ASGI, so that it
-    never buffers a streaming response). The comparison takes constant time."""
+# Routes open without a key: a load balancer's health check must not need a secret.
+OPEN_PATHS = frozenset({"/health"})
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+class APIKeyMiddleware:
+    """Demands ``Authorization: Bearer <key>``, one of ``api_keys``, on every route but
+    ``OPEN_PATHS`` (pure ASGI, so that it never buffers a streaming response). The comparison
+    takes constant time per key. The request's ``state.api_key_id`` names the key that matched
+    (a hash, never the key), for the per-key prefix cache salt."""
+
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [(f"Bearer {key}".encode(), _key_id(key)) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") \
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS \
                 or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        matched = None
+        for expected, key_id in self.expected:  # no early exit: time independent of which
+            if hmac.compare_digest(given, expected):
+                matched = key_id
+        if matched is not None:
+            scope.setdefault("state", {})["api_key_id"] = matched
             await self.app(scope, receive, send)
             return
         message = ("missing API key: send 'Authorization: Bearer <key>'" if not given
@@ -131,33 +146,5 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
-class BodySizeLimitMiddleware:
-    """Refuses request bodies over ``max_bytes`` (413) before they are read into memory. A body
-    sent without Content-Length (chunked) is cut off at the limit as if the client had left."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            response = error_response(f"request body of {int(length)} bytes exceeds the limit "
-                                      f"of {self.max_bytes} bytes", 413)
-            await response(scope, receive, send)
-            return
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    return {"type": "http.disconnect"}
-            return message
-
-        await self.app(scope, limited_receive, send)
+def _key_id(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]

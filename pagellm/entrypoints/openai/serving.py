@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from pagellm.core.async_engine import AsyncLLMEngine, NewRequest, OutputStream
 from pagellm.entrypoints.openai.errors import APIError, api_error_from_exception, error_body
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from pagellm.entrypoints.openai.tokenization import TokenizerWorker
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -27,29 +28,48 @@ LOGPROB_FLOOR = -9999.0
 
 @dataclass
 class ServerContext:
-    """What the handlers need. ``tokenizer`` is the server's own copy: the engine loop thread
-    uses the engine's tokenizer, and a Rust tokenizer must not be shared across threads."""
+    """What the handlers need. ``tokenizer`` is the event loop's own copy, for small decodes
+    (a logprob's token text); everything that may be large goes through ``tokenization``, on
+    its own thread with its own copy (a Rust tokenizer must not be shared across threads).
+
+    ``prefix_cache_isolation``: "shared" (vLLM's default: any request may reuse any cached
+    prefix, so time to first token can reveal that someone sent the same prompt), "api-key"
+    (requests reuse only prefixes cached under the same API key) or "user" (only under the
+    same ``user`` field, or API key when there is none).
+    """
 
     engine: AsyncLLMEngine
     tokenizer: Any
+    tokenization: TokenizerWorker
     served_model_names: list[str]
-    model_path: str
     max_model_len: int
+    prefix_cache_isolation: str = "shared"
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
     def check_model(self, name: str | None) -> None:
+        # The served names are not listed: by default the first one is the local model path.
         if name is not None and name not in self.served_model_names:
-            raise APIError(f"the model '{name}' does not exist; this server serves "
-                           f"{', '.join(self.served_model_names)}", 400, "model",
-                           "model_not_found")
+            raise APIError(f"the model '{name}' does not exist: see /v1/models for the models "
+                           "this server serves", 404, "model", "model_not_found")
 
-    def encode(self, text: str) -> list[int]:
-        # The same call as LLMEngine.tokenize_prompt, so that a prompt tokenises identically
-        # through the server and the offline API.
-        return list(self.tokenizer.encode(text))
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        return await self.tokenization.encode(text, param)
+
+    def cache_salt(self, req: SamplingRequest, raw: Request) -> str | None:
+        """The request's prefix-cache salt: its own ``cache_salt`` (vLLM's field), joined with
+        the tenant's identity when the prefix cache is isolated."""
+        tenant = None
+        if self.prefix_cache_isolation != "shared":
+            tenant = getattr(raw.state, "api_key_id", None)
+            if self.prefix_cache_isolation == "user" and req.user:
+                tenant = f"user:{req.user}"
+            tenant = tenant or "anonymous"
+        if tenant is None:
+            return req.cache_salt
+        return f"{tenant}\x00{req.cache_salt or ''}"
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,

@@ -25,37 +25,35 @@ from pagellm.entrypoints.openai.serving import (LOGPROB_FLOOR, DeltaTracker, Eve
 from pagellm.outputs import CompletionOutput, LogprobsDict
 
 
-def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage],
-                    add_generation_prompt: bool = True) -> list[int]:
+async def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage],
+                          add_generation_prompt: bool = True) -> list[int]:
     if not messages:
         raise APIError("messages must not be empty: a chat needs at least one message", 400,
                        "messages")
-    if getattr(ctx.tokenizer, "chat_template", None) is None:
+    if not ctx.tokenization.has_chat_template():
         raise APIError("the model's tokenizer has no chat template: use /v1/completions", 400)
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        ids = ctx.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return await ctx.tokenization.apply_chat_template(conversation, add_generation_prompt)
+    except APIError:
+        raise
     except Exception as exc:  # noqa: BLE001 - templates raise what they like on odd input
         raise APIError(f"the chat template rejected the messages: {exc}", 400,
                        "messages") from exc
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
-    ids = chat_prompt_ids(ctx, req.messages, req.add_generation_prompt)
+    ids = await chat_prompt_ids(ctx, req.messages, req.add_generation_prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs)
     request_id = random_id("chatcmpl")
     stream = await add_requests(ctx, [NewRequest(request_id, {"prompt_token_ids": ids}, params,
-                                                 req.priority, req.cache_salt)])
+                                                 req.priority, ctx.cache_salt(req, raw))])
     if req.stream:
         chunks = _stream_chunks(ctx, req, stream, request_id)
         return EventStreamResponse(sse_events(chunks))

@@ -32,12 +32,13 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                        400, "best_of")
     if req.echo and req.logprobs is not None and req.stream:
         raise APIError("echo with logprobs is not supported when streaming", 400, "echo")
-    prompts = _prompts(ctx, req.prompt)
+    prompts = await _prompts(ctx, req.prompt)
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
     base_id = random_id("cmpl")
+    salt = ctx.cache_salt(req, raw)
     requests = [NewRequest(f"{base_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params,
-                           req.priority, req.cache_salt)
+                           req.priority, salt)
                 for i, (text, ids) in enumerate(prompts)]
     stream = await add_requests(ctx, requests)
     order = {r.request_id: i for i, r in enumerate(requests)}
@@ -55,7 +56,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     return JSONResponse(response.model_dump(mode="json"))
 
 
-def _prompts(ctx: ServerContext, prompt) -> list[tuple[str, list[int]]]:
+async def _prompts(ctx: ServerContext, prompt) -> list[tuple[str, list[int]]]:
     """(text, token ids) of each prompt; token-id prompts are decoded for ``echo``."""
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -65,17 +66,18 @@ def _prompts(ctx: ServerContext, prompt) -> list[tuple[str, list[int]]]:
         items = list(prompt)
     if not items:
         raise APIError("prompt must not be empty", 400, "prompt")
+    tokens = ctx.tokenization
+    for item in items:  # every cheap check first: a bad last prompt costs no tokenisation
+        if isinstance(item, str):
+            tokens.check_text(item, "prompt")
+        else:
+            tokens.check_token_ids(item, "prompt")
     out = []
     for item in items:
         if isinstance(item, str):
-            out.append((item, ctx.encode(item)))
+            out.append((item, await ctx.encode(item)))
         else:
-            vocab = len(ctx.tokenizer)
-            bad = next((t for t in item if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(f"prompt token id {bad} is out of range [0, {vocab})", 400,
-                               "prompt")
-            out.append((ctx.tokenizer.decode(item), list(item)))
+            out.append((await tokens.decode(item, "prompt"), list(item)))
     return out
 
 

@@ -1,0 +1,35 @@
+"""The server's settings, importable without the server (the CLI builds its flags from them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How the prefix cache is shared between clients (``--prefix-cache-isolation``): see
+# ``ServerContext.cache_salt``.
+PREFIX_CACHE_ISOLATION = ("shared", "api-key", "user")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """How the server listens and what one client may cost it.
+
+    ``max_request_body_bytes``: larger bodies get 413 (far above any prompt that fits a
+    context, far below what would hurt the server's memory). ``header_timeout_s`` /
+    ``body_timeout_s``: a request head / body not fully arrived in that time gets 408 and the
+    connection closes (slow clients cannot hold connections open). ``limit_concurrency``: more
+    connections or requests in progress than this get uvicorn's 503. ``timeout_keep_alive_s``:
+    idle keep-alive connections close after it. ``api_keys``: any one of them is accepted.
+    ``prefix_cache_isolation``: see ``ServerContext``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    served_model_names: tuple[str, ...] = ()
+    uvicorn_log_level: str = "info"
+    timeout_graceful_shutdown: float = 10.0
+    max_request_body_bytes: int = 16 << 20
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    timeout_keep_alive_s: float = 5.0
+    limit_concurrency: int = 1024
+    prefix_cache_isolation: str = "shared"
