@@ -12,7 +12,10 @@ malformed request heads.
   between requests); a request head h11 rejects (malformed, or over uvicorn's size limit) gets
   an OpenAI-style JSON 400 instead of uvicorn's plain text.
 
-Each error response is written whole, with ``Connection: close``.
+Each error response is written whole, with ``Connection: close``. The h11 protocol's own
+errors then linger: what the client still sends is read and dropped for ``LINGER_S`` before
+the socket closes, since closing with unread data would reset the connection and the client
+might lose the response before reading it.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pagellm.entrypoints.openai.errors import error_body, error_response
 
 CLOSE = {"Connection": "close"}
+LINGER_S = 0.5
 
 
 class RequestBodyGuard:
@@ -90,12 +94,15 @@ def guarded_h11_protocol(header_timeout_s: float) -> type[H11Protocol]:
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _failed = False  # an error response was written: drop input until the socket closes
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm_head_timer()
 
         def data_received(self, data: bytes) -> None:
+            if self._failed:
+                return
             waiting = self.cycle is None or self.cycle.response_complete
             previous = self.cycle
             super().data_received(data)
@@ -129,8 +136,12 @@ def guarded_h11_protocol(header_timeout_s: float) -> type[H11Protocol]:
                                       f"within {header_timeout_s:g} s")
 
         def _write_and_close(self, status: int, reason: str, message: str) -> None:
-            if not self.transport.is_closing():
-                self.transport.write(raw_json_response(status, reason, message))
-                self.transport.close()
+            if self._failed or self.transport.is_closing():
+                return
+            self._failed = True
+            self.transport.write(raw_json_response(status, reason, message))
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
 
     return GuardedH11Protocol
