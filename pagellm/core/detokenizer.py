@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from pagellm.core.stop_strings import StopStringMatcher, truncate_at_stop
+
 # Prompt tokens decoded as left context of the first generated token (vLLM uses the same).
 INITIAL_CONTEXT_TOKENS = 5
 
@@ -122,6 +124,8 @@ def check_stop_strings(text: str, new_text_len: int, stop: Sequence[str],
     own text arrived), so a match may start up to ``len(stop_str) - 1`` characters before the
     new text. The earliest match wins (the first listed on a tie), so the returned text never
     contains a complete stop string other than the one kept by ``include_stop_str_in_output``.
+    The engine keeps a ``StopStringMatcher`` state per sequence instead of rescanning; this
+    one-shot form builds the automaton each call.
 
     Returns ``(text truncated before the stop string, or after it when included, stop_str)``,
     or None when no stop string appears.
@@ -129,13 +133,12 @@ def check_stop_strings(text: str, new_text_len: int, stop: Sequence[str],
     if new_text_len <= 0 or not stop:
         return None
     old_len = len(text) - new_text_len
-    best: tuple[int, str] | None = None
-    for stop_str in stop:
-        index = text.find(stop_str, max(0, old_len - len(stop_str) + 1))
-        if index != -1 and (best is None or index < best[0]):
-            best = (index, stop_str)
+    start = max(0, old_len - max(map(len, stop)) + 1)
+    matcher = StopStringMatcher(stop)
+    state, _ = matcher.feed(0, text[start:old_len])
+    _, best = matcher.feed(state, text[old_len:])
     if best is None:
         return None
-    index, stop_str = best
-    end = index + len(stop_str) if include_stop_str_in_output else index
-    return text[:end], stop_str
+    stop_str = stop[best[1]]
+    return truncate_at_stop(text, old_len + best[0], stop_str,
+                            include_stop_str_in_output), stop_str

@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from pagellm.core.detokenizer import IncrementalDetokenizer, check_stop_strings
+from pagellm.core.detokenizer import IncrementalDetokenizer
 from pagellm.core.plan import PromptLogprob, SampledToken
 from pagellm.core.request import Request, Sequence, SequenceStatus
+from pagellm.core.stop_strings import StopStringMatcher, truncate_at_stop
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import RequestOutputKind
 
@@ -65,16 +66,29 @@ class OutputProcessor:
             seq.cumulative_logprob += sample.logprob
             seq.logprobs.append(self._logprob_dict(sample.token_id, sample.logprob,
                                                    sample.rank, sample.top or ()))
-        if (params.stop and new_text and seq.status is not SequenceStatus.FINISHED_STOPPED
-                and seq.num_output_tokens >= params.min_tokens):
-            hit = check_stop_strings(seq.text, len(new_text), params.stop,
-                                     params.include_stop_str_in_output)
-            if hit is not None:
-                seq.text, reason = hit
-                scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, reason)
+        if params.stop and new_text:
+            self._check_stop_strings(seq, new_text, scheduler)
         if seq.status.is_finished and not isinstance(seq.stop_reason, str):
             # release what the detokenizer held back (an incomplete multi-byte character)
             seq.text += seq.detokenizer.flush()
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, new_text: str, scheduler: Scheduler) -> None:
+        """Feed the new text to the sequence's stop-string automaton (also below min_tokens,
+        so that a stop string begun then is recognised once it completes); a match found once
+        min_tokens is out finishes the sequence."""
+        request = seq.request
+        params = request.params
+        if request.stop_matcher is None:
+            request.stop_matcher = StopStringMatcher(params.stop)
+        seq.stop_state, best = request.stop_matcher.feed(seq.stop_state, new_text)
+        if (best is None or seq.status is SequenceStatus.FINISHED_STOPPED
+                or seq.num_output_tokens < params.min_tokens):
+            return
+        stop_str = params.stop[best[1]]
+        start = len(seq.text) - len(new_text) + best[0]
+        seq.text = truncate_at_stop(seq.text, start, stop_str, params.include_stop_str_in_output)
+        scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop_str)
 
     # ------------------------------------------------------------------ logprobs
     def decode_token(self, token_id: int) -> str:

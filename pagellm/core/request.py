@@ -18,6 +18,7 @@ from pagellm.outputs import Logprob, RequestMetrics
 
 if TYPE_CHECKING:
     from pagellm.core.detokenizer import IncrementalDetokenizer
+    from pagellm.core.stop_strings import StopStringMatcher
     from pagellm.sampling_params import SamplingParams
 
 
@@ -45,7 +46,7 @@ class Sequence:
     __slots__ = ("seq_id", "index", "request", "token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "status", "stop_reason", "cumulative_logprob",
                  "logprobs", "detokenizer", "text", "last_token_time", "num_sent_tokens",
-                 "num_sent_text", "fcfs_key", "priority_key")
+                 "num_sent_text", "fcfs_key", "priority_key", "stop_state")
 
     def __init__(self, seq_id: str, index: int, request: Request, token_ids: list[int]) -> None:
         self.seq_id = seq_id
@@ -68,6 +69,7 @@ class Sequence:
         # fixed for the sequence's life, so computed once
         self.fcfs_key = (0, request.arrival_time, request.seq_no, index)
         self.priority_key = (request.priority, *self.fcfs_key[1:])
+        self.stop_state = 0  # its state in the request's StopStringMatcher
 
     @property
     def num_tokens(self) -> int:
@@ -108,6 +110,7 @@ class Request:
     forked: bool = False
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     prompt_logprobs_sent: bool = False  # a DELTA output carries them once
+    stop_matcher: StopStringMatcher | None = None  # StopStringMatcher of params.stop, built on first use
 
     @property
     def num_prompt_tokens(self) -> int:
