@@ -48,7 +48,7 @@ def test_engine_flags_parse_to_engine_args():
     assert (args.model, args.block_size, args.swap_space) == ("some/model", 32, 0.5)
     assert args.enable_prefix_caching is False and args.max_model_len == 1024
     assert args.preemption_mode == "recompute" and args.num_gpu_blocks_override is None
-    assert ns.api_key == "k" and ns.host == "127.0.0.1" and ns.port == 8000
+    assert ns.api_key == ["k"] and ns.host == "127.0.0.1" and ns.port == 8000
 
 
 def test_bad_engine_flag_value_names_the_field():
