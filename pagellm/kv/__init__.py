@@ -3,9 +3,11 @@
 - ``memory``: bytes per token, capacity planning, model presets (the ``kv-calc`` calculator).
 - ``block_pool``: physical blocks, the O(1) free queue, ref counts, chained block hashes.
 - ``block_table``: one sequence's logical -> physical mapping and its slots.
+- ``block_map``: every block's state, ref count, holders and fill (the dashboard's map).
 - ``manager``: KVCacheManager, the paged manager the scheduler uses.
 - ``contiguous``: ContiguousKVCacheManager, the max-length-reservation baseline.
 """
+from pagellm.kv.block_map import BlockMap, BlockState, PoolMap
 from pagellm.kv.block_pool import (
     ROOT_HASH,
     BlockHash,
@@ -29,6 +31,7 @@ from pagellm.kv.memory import (
 )
 
 __all__ = [
+    "BlockMap", "BlockState", "PoolMap",
     "ROOT_HASH", "BlockHash", "BlockPool", "FreeBlockQueue", "KVCacheBlock", "hash_block_tokens",
     "BlockTable", "cdiv", "compute_slot_mapping",
     "ContiguousKVCacheManager", "FreeExtents",

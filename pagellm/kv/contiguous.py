@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from pagellm.kv.block_map import BlockMap, pool_map, reservation_map
 from pagellm.kv.block_pool import BlockPool
 from pagellm.kv.block_table import BlockTable, cdiv
 from pagellm.kv.interface import NO_PREFIX, BlockCopies, KVCacheStats, PrefixMatch
@@ -272,6 +273,18 @@ class ContiguousKVCacheManager:
     def seq_block_counts(self) -> dict[Hashable, int]:
         """Blocks reserved by each sequence on the device."""
         return {seq_id: self.blocks_per_seq for seq_id in self._seqs}
+
+    def block_map(self) -> BlockMap:
+        """Every block of the arena (a reservation's unfilled tail is held with fill 0) and of
+        the CPU pool; ``stranded_blocks`` are free blocks in runs too short for a reservation."""
+        device = reservation_map(self.num_blocks, self.block_size, self.blocks_per_seq,
+                                 ((s, r.start, r.num_tokens) for s, r in self._seqs.items()))
+        stranded = [b for start, length in self.free_extents.extents
+                    if length < self.blocks_per_seq for b in range(start, start + length)]
+        return BlockMap(self.block_size, device,
+                        pool_map(self.cpu_block_pool, self._swapped.items()), kind="contiguous",
+                        extra={"blocks_per_seq": self.blocks_per_seq,
+                               "stranded_blocks": stranded})
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the reservations and free extents do not tile the arena."""

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagellm.kv.block_pool import BlockHash
+
+if TYPE_CHECKING:
+    from pagellm.kv.block_map import BlockMap
 
 # (src, dst) block pairs the model side copies before the step: copy-on-write (device -> device),
 # swap_out (device -> cpu) or swap_in (cpu -> device).
@@ -119,5 +122,7 @@ class KVCacheManagerProtocol(Protocol):
     def get_stats(self) -> KVCacheStats: ...
 
     def seq_block_counts(self) -> dict[Hashable, int]: ...
+
+    def block_map(self) -> BlockMap: ...
 
     def check_invariants(self) -> None: ...

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from pagellm.kv.block_map import BlockMap, pool_map
 from pagellm.kv.block_pool import ROOT_HASH, BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 from pagellm.kv.block_table import BlockTable, cdiv
 from pagellm.kv.interface import NO_PREFIX, BlockCopies, KVCacheStats, PrefixMatch
@@ -398,6 +399,13 @@ class KVCacheManager:
     def seq_block_counts(self) -> dict[Hashable, int]:
         """Device blocks held by each sequence on the device (shared blocks count for each)."""
         return {seq_id: len(seq.table.block_ids) for seq_id, seq in self._seqs.items()}
+
+    def block_map(self) -> BlockMap:
+        """Every device and CPU block: state, ref count, holders, tokens held (the dashboard)."""
+        return BlockMap(self.block_size,
+                        pool_map(self.block_pool, ((s, q.table) for s, q in self._seqs.items())),
+                        pool_map(self.cpu_block_pool,
+                                 ((s, q.table) for s, q in self._swapped.items())))
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any invariant of the class docstring is broken (for tests)."""
