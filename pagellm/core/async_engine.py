@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pagellm.config import EngineArgs
 from pagellm.core.engine import EngineDeadError, LLMEngine, PromptType
+from pagellm.core.kv_view import MetricsHistory
 from pagellm.core.stats import EngineStats
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -35,6 +36,9 @@ STATS_REFRESH_S = 0.1
 # An idle engine loop still wakes up this often, so that ``on_step`` (the periodic log line)
 # sees the engine go quiet.
 IDLE_TICK_S = 5.0
+# A KV view (block map) younger than this is served again instead of asking the engine loop
+# for a new one: however many dashboards poll, the engine builds at most 4 views a second.
+KV_VIEW_MAX_AGE_S = 0.25
 
 
 class EngineShuttingDown(RuntimeError):
@@ -125,6 +129,10 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stats: EngineStats = engine.get_stats()
         self._stats_time = 0.0
+        self._history = MetricsHistory()  # engine loop thread only
+        self._kv_view: dict | None = None  # event loop thread only, as the two below
+        self._kv_view_time = float("-inf")
+        self._kv_view_future: asyncio.Future | None = None
         self.accepting = True
         self.dead_error: BaseException | None = None
 
@@ -220,6 +228,23 @@ class AsyncLLMEngine:
         """The snapshot taken by the engine loop after its latest step (exact when idle)."""
         return self._stats
 
+    async def get_kv_view(self, timeout: float = 10.0) -> dict:
+        """The block map, sequences, statistics and history (core/kv_view.py), built by the
+        engine loop between two steps; a view younger than KV_VIEW_MAX_AGE_S is reused, and
+        callers that ask while one is being built share it."""
+        if self._loop is None:
+            raise RuntimeError("AsyncLLMEngine.start() has not been called")
+        if time.monotonic() - self._kv_view_time < KV_VIEW_MAX_AGE_S and self._kv_view:
+            return self._kv_view
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.dead_error!r}")
+        if self._kv_view_future is None or self._kv_view_future.done():
+            self._kv_view_future = self._loop.create_future()
+            self._submit(("kv_view", self._kv_view_future))
+        view = await asyncio.wait_for(asyncio.shield(self._kv_view_future), timeout)
+        self._kv_view, self._kv_view_time = view, time.monotonic()
+        return view
+
     def num_streams(self) -> int:
         return len(self._streams)
 
@@ -273,6 +298,10 @@ class AsyncLLMEngine:
             return self.engine.abort_request(command[1])
         if kind == "abort_all":
             return self.engine.abort_all()
+        if kind == "kv_view":
+            view = self.engine.get_kv_view(self._history.points())
+            self._call_on_loop(_settle, command[1], None, view)
+            return []
         _, requests, added = command
         done: list[str] = []
         try:
@@ -294,6 +323,7 @@ class AsyncLLMEngine:
             return None
         self._stats = self.engine.get_stats()
         self._stats_time = now
+        self._history.add(self._stats)
         return self._stats
 
     def _call_on_loop(self, fn: Callable, *args) -> None:
@@ -318,12 +348,14 @@ class AsyncLLMEngine:
         for stream in set(self._streams.values()):
             stream.fail(error)
         self._streams.clear()
+        if self._kv_view_future is not None:
+            _settle(self._kv_view_future, error)
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result=None) -> None:
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

@@ -33,6 +33,7 @@ from pagellm.core.output_processor import OutputProcessor
 from pagellm.core.plan import ModelRunnerOutput, SchedulerOutput
 from pagellm.core.request import Request
 from pagellm.core.scheduler import StepUpdate
+from pagellm.core.kv_view import build_kv_view
 from pagellm.core.stats import EngineStats, StatsTracker
 from pagellm.outputs import RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -276,3 +277,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.stats.snapshot(self.scheduler, self.kv)
+
+    def get_kv_view(self, history: Iterable[dict[str, float]] = ()) -> dict[str, Any]:
+        """The block map, its sequences and the statistics, taken together (core/kv_view.py)."""
+        return build_kv_view(self.scheduler, self.kv, self.get_stats(), history)

@@ -15,6 +15,10 @@ from pagellm.kv.block_pool import BlockPool
 from pagellm.kv.block_table import BlockTable
 
 
+# A trimmed pool map lists a multiple of this many blocks (one row of the dashboard's grid).
+TRIM_MULTIPLE = 64
+
+
 class BlockState(enum.IntEnum):
     FREE = 0  # in the free queue, holds nothing reusable
     USED = 1  # held by at least one block table (ref count > 0)
@@ -29,8 +33,11 @@ class PoolMap:
     ``len(owners[b]) == ref_cnt[b]`` (each holder is one block table); ``fill[b]`` is the number
     of token slots of block ``b`` that hold a token (0 for a free block, and for the unfilled
     tail of a contiguous reservation); ``cached[b]`` says the block is in the prefix index.
+    The lists may stop before ``num_blocks`` (a CPU pool of many GiB): every block past their
+    end is free.
     """
 
+    num_blocks: int
     state: list[int]
     ref_cnt: list[int]
     fill: list[int]
@@ -38,19 +45,20 @@ class PoolMap:
     owners: list[list[Hashable]]
 
     @property
-    def num_blocks(self) -> int:
+    def num_shown(self) -> int:
         return len(self.state)
 
     def count(self, state: BlockState) -> int:
-        return sum(1 for s in self.state if s == state)
+        shown = sum(1 for s in self.state if s == state)
+        return shown + (self.num_blocks - self.num_shown if state == BlockState.FREE else 0)
 
     def to_dict(self, owner_index: dict[Hashable, int] | None = None) -> dict[str, Any]:
         """JSON-friendly; with ``owner_index`` each owner is written as its index there."""
         owners = self.owners
         if owner_index is not None:
             owners = [[owner_index[o] for o in held] for held in owners]
-        return {"state": self.state, "ref_cnt": self.ref_cnt, "fill": self.fill,
-                "cached": [int(c) for c in self.cached], "owners": owners}
+        return {"num_blocks": self.num_blocks, "state": self.state, "ref_cnt": self.ref_cnt,
+                "fill": self.fill, "cached": [int(c) for c in self.cached], "owners": owners}
 
 
 @dataclass(slots=True)
@@ -70,11 +78,21 @@ class BlockMap:
                 "cpu_blocks": self.cpu.to_dict(owner_index), **self.extra}
 
 
-def pool_map(pool: BlockPool, tables: Iterable[tuple[Hashable, BlockTable]]) -> PoolMap:
-    """The map of a ref-counted pool whose blocks are held by these (seq_id, table) pairs."""
-    num_blocks = pool.num_blocks
-    owners: list[list[Hashable]] = [[] for _ in range(num_blocks)]
-    fill = [0] * num_blocks
+def pool_map(pool: BlockPool, tables: Iterable[tuple[Hashable, BlockTable]],
+             trim_free_tail: bool = False) -> PoolMap:
+    """The map of a ref-counted pool whose blocks are held by these (seq_id, table) pairs.
+
+    ``trim_free_tail`` (for an unhashed pool, the CPU's): list blocks only up to the last held
+    one, rounded up to TRIM_MULTIPLE, so that a swap space of many GiB costs nothing to map.
+    """
+    tables = list(tables)
+    num_shown = pool.num_blocks
+    if trim_free_tail:
+        last = max((b for _, table in tables for b in table.block_ids), default=-1)
+        num_shown = min(num_shown, -(-(last + 1) // TRIM_MULTIPLE) * TRIM_MULTIPLE or
+                        TRIM_MULTIPLE)
+    owners: list[list[Hashable]] = [[] for _ in range(num_shown)]
+    fill = [0] * num_shown
     for seq_id, table in tables:
         block_ids = table.block_ids
         for block_id in block_ids:
@@ -82,11 +100,12 @@ def pool_map(pool: BlockPool, tables: Iterable[tuple[Hashable, BlockTable]]) -> 
             fill[block_id] = table.block_size
         if block_ids:
             fill[block_ids[-1]] = table.num_tokens_in_last_block()
-    ref_cnt = [block.ref_cnt for block in pool.blocks]
-    cached = [block.block_hash is not None for block in pool.blocks]
+    blocks = pool.blocks[:num_shown]
+    ref_cnt = [block.ref_cnt for block in blocks]
+    cached = [block.block_hash is not None for block in blocks]
     state = [BlockState.USED if refs else BlockState.CACHED_FREE if hashed else BlockState.FREE
              for refs, hashed in zip(ref_cnt, cached)]
-    return PoolMap([int(s) for s in state], ref_cnt, fill, cached, owners)
+    return PoolMap(pool.num_blocks, [int(s) for s in state], ref_cnt, fill, cached, owners)
 
 
 def reservation_map(num_blocks: int, block_size: int, blocks_per_seq: int,
@@ -103,4 +122,4 @@ def reservation_map(num_blocks: int, block_size: int, blocks_per_seq: int,
             ref_cnt[block_id] = 1
             fill[block_id] = max(0, min(block_size, num_tokens - i * block_size))
     state = [int(BlockState.USED if refs else BlockState.FREE) for refs in ref_cnt]
-    return PoolMap(state, ref_cnt, fill, [False] * num_blocks, owners)
+    return PoolMap(num_blocks, state, ref_cnt, fill, [False] * num_blocks, owners)

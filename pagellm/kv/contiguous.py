@@ -282,7 +282,8 @@ class ContiguousKVCacheManager:
         stranded = [b for start, length in self.free_extents.extents
                     if length < self.blocks_per_seq for b in range(start, start + length)]
         return BlockMap(self.block_size, device,
-                        pool_map(self.cpu_block_pool, self._swapped.items()), kind="contiguous",
+                        pool_map(self.cpu_block_pool, self._swapped.items(), trim_free_tail=True),
+                        kind="contiguous",
                         extra={"blocks_per_seq": self.blocks_per_seq,
                                "stranded_blocks": stranded})
 

@@ -405,7 +405,8 @@ class KVCacheManager:
         return BlockMap(self.block_size,
                         pool_map(self.block_pool, ((s, q.table) for s, q in self._seqs.items())),
                         pool_map(self.cpu_block_pool,
-                                 ((s, q.table) for s, q in self._swapped.items())))
+                                 ((s, q.table) for s, q in self._swapped.items()),
+                                 trim_free_tail=True))
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any invariant of the class docstring is broken (for tests)."""

@@ -23,7 +23,8 @@ def check_consistent(mgr, seq_ids) -> None:
     assert sum(f for f, s in zip(device.fill, device.state) if s == BlockState.USED) \
         == stats.slots_filled
     for pool in (device, cpu):
-        for b in range(pool.num_blocks):
+        assert pool.num_shown <= pool.num_blocks
+        for b in range(pool.num_shown):
             assert (pool.state[b] == BlockState.USED) == (pool.ref_cnt[b] > 0)
             assert 0 <= pool.fill[b] <= block_map.block_size
             if pool.state[b] != BlockState.USED:
@@ -59,7 +60,7 @@ def test_paged_map_shared_swapped_and_cached_blocks():
     device = block_map.device
     for block_id in range(device.num_blocks):
         assert device.ref_cnt[block_id] == len(device.owners[block_id]) == held[block_id]
-    shared = [b for b in range(device.num_blocks) if device.ref_cnt[b] > 1]
+    shared = [b for b in range(device.num_shown) if device.ref_cnt[b] > 1]
     assert set(shared) == set(mgr.get_block_table("a"))
     assert sorted(device.owners[shared[0]]) == ["a", "a2", "b"]
     assert all(device.cached[b] for b in mgr.get_block_table("a")[:2])
@@ -69,6 +70,11 @@ def test_paged_map_shared_swapped_and_cached_blocks():
     assert cpu.count(BlockState.USED) == 2
     assert sorted(f for f in cpu.fill if f) == [3, 4]
     assert all(owners == ["d"] for owners in cpu.owners if owners)
+    big = KVCacheManager(4, 4, num_cpu_blocks=1000)
+    big.allocate_slots("x", list(range(5)), 5)
+    big.swap_out(["x"])
+    assert big.block_map().cpu.num_shown == 64 and big.block_map().cpu.num_blocks == 1000
+    assert big.block_map().cpu.count(BlockState.FREE) == 998
     # Owners written as indexes into a list of sequences.
     index = {s: i for i, s in enumerate(seqs)}
     as_json = block_map.to_dict(index)
@@ -142,5 +148,6 @@ def test_map_consistent_through_random_operations(kind):
         held = check_consistent(mgr, list(tokens))
         if kind == "paged":
             device_map = mgr.block_map().device
+            assert device_map.num_shown == device_map.num_blocks
             assert all(device_map.ref_cnt[b] == len(device_map.owners[b]) == held[b]
                        for b in range(device_map.num_blocks))

@@ -2,9 +2,13 @@
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, and ``/health``,
 ``/metrics`` (Prometheus), ``/stats`` (a JSON snapshot of the engine and its KV cache),
-``/tokenize``, ``/detokenize``. With API keys set, every route but ``/health`` demands one:
-``/metrics`` and ``/stats`` too, since their prefix-cache counters tell whether someone else
-sent a prompt. ``/stats`` names no request: a request id is seen only by its own client.
+``/stats/blocks`` (the block map with the request ids holding each block),
+``/tokenize``, ``/detokenize``, and ``/dashboard``, the page that draws the block map live
+(static files, no data: the page asks for the key when the server has one). With API keys
+set, every route but ``/health`` and the dashboard's files demands one: ``/metrics`` and
+``/stats`` too, since their prefix-cache counters tell whether someone else sent a prompt.
+``/stats`` names no request: a request id is seen only by its own client, and by whoever
+holds a key for ``/stats/blocks``.
 
 What one client may cost is bounded (``ServerConfig``): the body size, the time to send the
 request head and the body, the number of connections, and, through the tokenizer worker
@@ -17,6 +21,8 @@ stops and the process exits with status 0.
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import logging
 import signal
 from contextlib import asynccontextmanager
@@ -26,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pagellm import dashboard
 from pagellm.core.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.openai.errors import APIError, APIKeyMiddleware, install_error_handlers
 from pagellm.entrypoints.openai.http_guard import RequestBodyGuard, guarded_h11_protocol
@@ -109,6 +116,18 @@ def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics)
                                               reverse=True)
         return snapshot
 
+    @app.get("/stats/blocks")
+    async def stats_blocks() -> Response:
+        if not ctx.engine.is_running:
+            raise APIError("the engine is not running", 503)
+        view = await ctx.engine.get_kv_view()
+        body = json.dumps({**view, "num_requests_in_flight": ctx.engine.num_streams()},
+                          separators=(",", ":"))
+        return Response(body, media_type="application/json",
+                         headers={"Cache-Control": "no-store"})
+
+    _add_dashboard_routes(app)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         ctx.check_model(body.model)
@@ -124,6 +143,24 @@ def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics)
     async def detokenize(body: DetokenizeRequest) -> dict:
         ctx.check_model(body.model)
         return {"prompt": await ctx.tokenization.decode(body.tokens, "tokens")}
+
+
+def _add_dashboard_routes(app: FastAPI) -> None:
+    media_types = {"html": "text/html", "js": "text/javascript", "css": "text/css"}
+
+    def serve(name: str) -> Response:
+        media_type = media_types[name.rsplit(".", 1)[1]]
+        return Response(dashboard.asset(name), media_type=f"{media_type}; charset=utf-8")
+
+    @app.get("/dashboard")
+    async def dashboard_page() -> Response:
+        return serve("dashboard.html")
+
+    @app.get("/dashboard/{name}")
+    async def dashboard_file(name: str) -> Response:
+        if name not in dashboard.ASSETS:
+            raise APIError(f"no dashboard file {name!r}", 404)
+        return serve(name)
 
 
 class _Server(uvicorn.Server):

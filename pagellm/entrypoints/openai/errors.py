@@ -112,8 +112,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(err.message, err.status, err.param, err.code)
 
 
-# Routes open without a key: a load balancer's health check must not need a secret.
+# Routes open without a key: a load balancer's health check must not need a secret,
+# and the dashboard's page and script hold no data (it asks for the key, then reads
+# /stats/blocks with it).
 OPEN_PATHS = frozenset({"/health"})
+OPEN_PREFIXES = ("/dashboard",)
 
 
 class APIKeyMiddleware:
@@ -128,6 +131,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS \
+                or scope["path"].startswith(OPEN_PREFIXES) \
                 or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
