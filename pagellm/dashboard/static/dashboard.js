@@ -74,11 +74,13 @@ const PagellmDashboard = (() => {
                    `ref count ${pool.ref_cnt[i]}`,
                    `tokens ${pool.fill[i]} / ${view.block_size}`];
     if (pool.cached[i]) lines.push("prefix-cached (reusable by a later prompt)");
-    for (const o of pool.owners[i]) {
+    const owners = pool.owners[i];
+    for (const o of owners.slice(0, 8)) {
       const seq = view.sequences[o];
       lines.push(`request ${seq.request_id}  (sequence ${seq.seq_id}, ${seq.status}, ` +
                  `${seq.num_tokens} tokens)`);
     }
+    if (owners.length > 8) lines.push(`… and ${owners.length - 8} more sequences`);
     return lines.join("\n");
   }
 
