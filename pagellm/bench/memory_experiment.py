@@ -45,6 +45,7 @@ class MemoryExperimentConfig:
     block_sizes: tuple[int, ...] = ()
     seed: int = 0
     warmup: bool = True
+    record_views: bool = False  # block maps for the --html report (adds their cost to the run)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -107,12 +108,20 @@ def _engine_options(config: MemoryExperimentConfig, budget: Budget, allocator: s
         seed=config.seed)
 
 
-def run_engine_system(options: EngineOptions, workload: Workload, warmup: bool) -> dict[str, Any]:
+def run_engine_system(options: EngineOptions, workload: Workload, warmup: bool,
+                      record_views: bool = False) -> dict[str, Any]:
+    from pagellm.bench.kv_report import ViewRecorder
+
     engine = build_engine(options)
+    recorder = ViewRecorder() if record_views else None
     try:
         if warmup:
             warm_up(engine, engine.hf_config.vocab_size)
-        return run_engine(engine, workload.requests, system=options.kv_allocator).to_dict()
+        result = run_engine(engine, workload.requests, system=options.kv_allocator,
+                            recorder=recorder).to_dict()
+        if recorder is not None:
+            result["kv_views"] = recorder.to_system(options.kv_allocator)
+        return result
     finally:
         del engine
         gc.collect()
@@ -217,7 +226,8 @@ def run_memory_experiment(config: MemoryExperimentConfig, workload: Workload) ->
     for allocator in ("paged", "contiguous"):
         if allocator in config.systems:
             options = _engine_options(config, budget, allocator, config.block_size)
-            results[allocator] = run_engine_system(options, workload, config.warmup)
+            results[allocator] = run_engine_system(options, workload, config.warmup,
+                                                   config.record_views)
             results[allocator]["load_average_1min"] = round(os.getloadavg()[0], 2)
     hf_systems = tuple(s for s in ("hf", "hf_continuous") if s in config.systems)
     if hf_systems:

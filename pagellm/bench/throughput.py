@@ -118,8 +118,10 @@ def warm_up(engine, vocab_size: int) -> None:
         engine.step()
 
 
-def run_engine(engine, requests: list[BenchRequest], system: str = "paged") -> RunResult:
-    """Queue every request at once, step until done, sample the engine after every step."""
+def run_engine(engine, requests: list[BenchRequest], system: str = "paged",
+               recorder=None) -> RunResult:
+    """Queue every request at once, step until done, sample the engine after every step;
+    ``recorder`` (bench/kv_report.py: ViewRecorder) also records KV views, for --html."""
     from pagellm.sampling_params import SamplingParams
 
     before = engine.get_stats()
@@ -134,9 +136,11 @@ def run_engine(engine, requests: list[BenchRequest], system: str = "paged") -> R
             if output.finished:
                 finished[output.request_id] = output
         stats = engine.get_stats()
-        timeline.add(time.perf_counter() - start, stats.num_running,
-                     stats.num_waiting + stats.num_swapped, stats.slots_allocated,
-                     stats.slots_filled)
+        now = time.perf_counter() - start
+        timeline.add(now, stats.num_running, stats.num_waiting + stats.num_swapped,
+                     stats.slots_allocated, stats.slots_filled)
+        if recorder is not None:
+            recorder.record(engine, now, stats)
     elapsed = time.perf_counter() - start
     after = engine.get_stats()
     result = _engine_result(system, engine, requests, finished, timeline, elapsed, before, after)

@@ -121,3 +121,37 @@ def test_cli_memory_and_throughput(tiny_model, tmp_path, monkeypatch):
     assert main(["bench", "throughput", *common, "--num-gpu-blocks-override", "64",
                  "--swap-space", "0.01", "--output-json", str(out)]) == 0
     assert json.loads(out.read_text())["output_tokens"] == report["workload"]["output_tokens_total"]
+
+
+def test_cli_memory_html_report_holds_both_systems_maps(tiny_model, tmp_path):
+    from pagellm.entrypoints.cli import main
+
+    html_path = tmp_path / "report.html"
+    out = tmp_path / "memory.json"
+    assert main(["bench", "memory", "--model", str(tiny_model), "--dtype", "float32",
+                 "--num-prompts", "10", "--input-len", "8,32", "--output-len", "8,48",
+                 "--max-num-seqs", "8", "--systems", "paged,contiguous",
+                 "--output-json", str(out), "--html", str(html_path)]) == 0
+    report = json.loads(out.read_text())
+    assert report["html_report"] == str(html_path) and "kv_views" not in report["paged"]
+    page = html_path.read_text()
+    assert "PagellmDashboard.report(" in page and page.count("</script>") == 2
+    data = page.split('<script type="application/json" id="report-data">', 1)[1]
+    systems = json.loads(data.split("</script>", 1)[0])
+    assert [s["name"] for s in systems] == ["paged", "contiguous"]
+    for system in systems:
+        frames = system["frames"]
+        assert 2 <= len(frames) <= 24 and system["history"]
+        assert 0 <= system["default_frame"] < len(frames)
+        for frame in frames:
+            assert frame["kind"] == system["name"]
+            assert frame["num_blocks"] == report["budget"]["num_blocks"]
+            assert len(frame["blocks"]["state"]) == frame["num_blocks"]
+        used = [sum(s == 1 for s in f["blocks"]["state"]) for f in frames]
+        assert max(used) > 0
+    # The contiguous system reserves whole runs: its peak frame holds more empty slots.
+    def empty_share(frame):
+        held = [f for f, s in zip(frame["blocks"]["fill"], frame["blocks"]["state"]) if s == 1]
+        return 1 - sum(held) / (len(held) * frame["block_size"])
+    paged, contiguous = (s["frames"][s["default_frame"]] for s in systems)
+    assert empty_share(contiguous) > empty_share(paged)

@@ -151,6 +151,9 @@ def _add_memory(modes) -> None:
                    help="also sweep the paged engine over these block sizes")
     p.add_argument("--plot-dir", default=None, help="write the PNG plots here")
     p.add_argument("--plot-prefix", default="memory", help="file name prefix of the plots")
+    p.add_argument("--html", default=None, metavar="REPORT.html",
+                   help="write a static page of the paged and contiguous systems' block maps "
+                        "and charts over the run (records block maps as it runs)")
     add_workload_args(p, num_prompts=48)
     p.set_defaults(func=run_memory)
 
@@ -168,11 +171,17 @@ def run_memory(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         systems=tuple(s for s in args.systems.split(",") if s), block_sizes=args.block_sizes,
-        seed=args.seed, extra={"model_name": args.model})
+        seed=args.seed, record_views=bool(args.html), extra={"model_name": args.model})
     report = run_memory_experiment(config, workload)
     if args.plot_dir:
         report["plots"] = [str(p) for p in save_plots(report, args.plot_dir, args.plot_prefix)]
-    _emit(report, args.output_json, drop=("timeline", "batch_sizes"))
+    if args.html:
+        from pagellm.bench.kv_report import save_html_report
+
+        report["html_report"] = str(save_html_report(report, args.html))
+        for name in ("paged", "contiguous"):
+            report.get(name, {}).pop("kv_views", None)  # in the page, not in the JSON
+    _emit(report, args.output_json, drop=("timeline", "batch_sizes", "kv_views"))
     return 1 if report["accounting_errors"] else 0
 
 
