@@ -21,7 +21,6 @@ stops and the process exits with status 0.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import signal
