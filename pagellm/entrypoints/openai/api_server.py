@@ -25,6 +25,7 @@ import json
 import logging
 import signal
 from contextlib import asynccontextmanager
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
