@@ -3,7 +3,6 @@ chromium-driver) loads the page from a running ``pagellm serve`` under load, is 
 key, draws all 1,024 blocks and shows a known request's blocks; a screenshot is kept."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
