@@ -189,8 +189,11 @@ class Scheduler:
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: list[int]) -> None:
         self.swapped.sort(key=self._key)
+        first_waiting = self.next_waiting()
         while self.swapped:
             seq = self.swapped[0]
+            if first_waiting is not None and self._key(first_waiting) < self._key(seq):
+                break  # a waiting sequence comes first (e.g. the one a preemption made room for)
             num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget[0])
             if num_new == 0 or self._num_seats() + self.seats(seq) > self.config.max_num_seqs:
                 break

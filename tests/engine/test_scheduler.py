@@ -201,3 +201,22 @@ def test_contiguous_fork_without_room_recomputes_the_child():
     run_to_completion(sched)
     assert all(len(s.output_token_ids) == 3 for s in request.seqs)
     assert sched.kv.get_stats().num_free_blocks == 8
+
+
+def test_a_swap_made_for_priority_is_not_undone_in_the_same_step():
+    """The victim swapped out for a higher-priority request must not be swapped straight back
+    in (found with the contiguous allocator, whose freed reservation the victim fit again)."""
+    sched = make_scheduler(num_blocks=8, block_size=4, num_cpu_blocks=16, max_model_len=16,
+                           policy="priority", preemption_mode="swap", contiguous=True)
+    sched.add_request(make_request("low1", prompt_len=4, max_tokens=8, priority=5))
+    sched.add_request(make_request("low2", prompt_len=4, max_tokens=8, priority=5,
+                                   arrival_time=1.0))
+    step(sched)
+    sched.add_request(make_request("high", prompt_len=4, max_tokens=2, priority=0,
+                                   arrival_time=2.0))
+    plan, _ = step(sched)
+    assert plan.preempted == ["low2#0"] and not plan.blocks_to_swap_in
+    assert "high#0" in {i.seq_id for i in plan.scheduled}
+    assert [s.seq_id for s in sched.swapped] == ["low2#0"]
+    run_to_completion(sched)
+    assert sched.kv.get_stats().num_free_blocks == 8
