@@ -118,7 +118,10 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return bool(self.seqs) and all(s.status.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, asked several times per token
+            return seqs[0].status in _FINISHED
+        return bool(seqs) and all(s.status in _FINISHED for s in seqs)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -250,19 +250,19 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         request = seq.request
+        params = request.params
         start = seq.num_computed_tokens
-        samples = start + num_new == seq.num_tokens
-        sample_ids = (seq.seq_id,)
-        if samples and self.seats(seq) > 1:
-            sample_ids += tuple(f"{request.request_id}#{i}" for i in range(1, request.params.n))
-        k = request.params.prompt_logprobs
+        samples = start + num_new == len(seq.token_ids)
+        sample_ids = ()
+        if samples:
+            sample_ids = (seq.seq_id,)
+            if params.n > 1 and seq.index == 0 and not request.forked:  # forks after the step
+                sample_ids += tuple(f"{request.request_id}#{i}" for i in range(1, params.n))
+        k = params.prompt_logprobs
         return ScheduledSequence(
             seq.seq_id, seq.token_ids, start, num_new, self.kv.get_block_table(seq.seq_id),
-            need_logits=samples,
-            need_prompt_logits=(k is not None and start < request.num_prompt_tokens - 1
-                                and seq.index == 0),
-            prompt_logprobs=k or 0, num_prompt_tokens=request.num_prompt_tokens,
-            params=request.params, sample_ids=sample_ids if samples else ())
+            samples, k is not None and seq.index == 0 and start < request.num_prompt_tokens - 1,
+            k or 0, request.num_prompt_tokens, params, sample_ids)
 
     # ------------------------------------------------------------------ preemption
     def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
