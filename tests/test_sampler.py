@@ -302,3 +302,19 @@ def test_min_tokens_holds_for_random_rows() -> None:
     torch.manual_seed(0)
     out = Sampler(VOCAB, EOS)(logits, make_meta(params))
     assert EOS not in out.token_ids
+
+
+def test_greedy_argmax_is_torchs_argmax():
+    """The two-level argmax picks what torch.argmax picks: the first maximum, NaN as the
+    maximum, at widths that are and are not multiples of its block."""
+    from pagellm.worker.sampler import greedy_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (512, 1000, 32000, 49152):
+        x = torch.randn(9, vocab, generator=gen)
+        x[1, 3] = x[1, 700 % vocab] = 1e6  # a tie: the first wins
+        x[2, -1] = 1e6  # the maximum in the padded last block
+        x[3] = -math.inf  # every token banned
+        x[4, 17] = float("nan")
+        x[5, :] = 0.0
+        assert torch.equal(greedy_argmax(x), x.argmax(dim=-1)), vocab
