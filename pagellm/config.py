@@ -45,6 +45,9 @@ class EngineArgs:
     # min_p/repetition_penalty of requests that do not set them; "vllm": the engine's own
     # defaults; or a folder holding a generation_config.json (see model/generation_config.py).
     generation_config: str = "auto"
+    # On CUDA, decode steps replay CUDA graphs captured at start-up (worker/cuda_graphs.py);
+    # True runs every step eagerly (as the CPU always does).
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field, its value and its limit."""
@@ -82,6 +85,8 @@ class EngineArgs:
         _check(isinstance(self.generation_config, str) and self.generation_config != "",
                "generation_config", self.generation_config,
                "must be 'auto', 'vllm' or a folder holding generation_config.json")
+        _check(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager,
+               "must be True or False")
 
     @property
     def swap_space_bytes(self) -> int:

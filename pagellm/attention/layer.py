@@ -32,6 +32,14 @@ def select_backend(query: torch.Tensor) -> Callable[..., torch.Tensor]:
     return paged_attention
 
 
+def runs_triton(device: torch.device | str) -> bool:
+    """Whether attention on ``device`` runs the Triton kernels: the backend CUDA graphs need
+    (the torch path skips padding slots through a host-built index, a data-dependent shape)."""
+    triton_attention = _triton_paged_attention()
+    probe = torch.empty(0, device=device)
+    return triton_attention is not None and select_backend(probe) is triton_attention
+
+
 @functools.cache
 def _triton_paged_attention() -> Callable[..., torch.Tensor] | None:
     try:

@@ -276,7 +276,13 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Ten
 def decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                      sliding_window: int | None, config: LaunchConfig) -> None:
-    """Write into out[num_prefill_tokens:] the attention of the decode group's queries."""
+    """Write into out[num_prefill_tokens:] the attention of the decode group's queries.
+
+    CUDA graphs capture this launch (worker/cuda_graphs.py), so it must stay replayable with
+    new per-step values: the grid is (decodes, KV heads), never sized by ``max_seq_len`` or
+    any other value of the step's contents; each program reads its sequence's length and
+    block table from device memory; no argument comes from a host sync. The Python ints
+    passed (``num_prefills``, strides, shapes) are fixed for a captured batch size."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads

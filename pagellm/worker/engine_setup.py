@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pagellm.attention.layer import runs_triton
 from pagellm.config import CPU_KV_CACHE_RAM_SHARE, EngineArgs
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.kv import ContiguousKVCacheManager, KVCacheManager
@@ -106,6 +107,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
     cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size, dtype,
                                device)
     runner = ModelRunner(model, cache_engine, device)
+    _capture_decode_graphs(args, runner, device, max_model_len)
     sampler = Sampler(hf_config.vocab_size, eos_token_ids)
     scheduler = Scheduler(SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
@@ -115,6 +117,20 @@ def build_components(args: EngineArgs) -> EngineComponents:
     return EngineComponents(device, hf_config, tokenizer, max_model_len, num_gpu_blocks,
                             num_cpu_blocks, kv, cache_engine, runner, sampler, scheduler, worker,
                             generation.sampling, eos_token_ids)
+
+
+def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.device,
+                           max_model_len: int) -> None:
+    """On CUDA, unless enforce_eager: capture decode steps, after the KV cache is allocated
+    (the graphs read it at fixed addresses). Their memory comes out of what the sizing left
+    free (gpu_memory_utilization's margin); vLLM measures it instead."""
+    if device.type != "cuda" or args.enforce_eager:
+        return
+    if not runs_triton(device):
+        logger.info("CUDA graphs off: attention does not run the Triton kernels "
+                    "(triton missing or PAGELLM_ATTENTION_BACKEND=torch)")
+        return
+    runner.capture_decode_graphs(args.max_num_seqs, max_model_len)
 
 
 def _eos_token_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:

@@ -16,6 +16,7 @@ import torch
 from pagellm.attention import AttentionMetadata
 from pagellm.model.decoder import CausalLM
 from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
 
 
 @dataclass(slots=True)
@@ -61,6 +62,17 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = cache_engine.block_size
         self.vocab_size = model.config.vocab_size
+        # Set by capture_decode_graphs (CUDA, unless enforce_eager): decode-only steps replay
+        # a captured graph; everything else runs the model eagerly.
+        self.decode_graphs: DecodeGraphRunner | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode forward for batch sizes up to ``max_num_seqs`` (cuda_graphs.py)."""
+        graphs = DecodeGraphRunner(self.model, self.cache_engine.kv_caches,
+                                   capture_sizes(max_num_seqs), max_model_len, self.block_size,
+                                   self.device)
+        graphs.capture()
+        self.decode_graphs = graphs
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
@@ -70,8 +82,12 @@ class ModelRunner:
         if not batch:
             return torch.empty(0, self.vocab_size, device=self.device)
         inputs = self.prepare_inputs(batch)
-        hidden = self.model(inputs.input_ids, inputs.metadata.positions,
-                            self.cache_engine.kv_caches, inputs.metadata)  # [T, hidden]
+        hidden = None
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(inputs.input_ids, inputs.metadata)
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.metadata.positions,
+                                self.cache_engine.kv_caches, inputs.metadata)  # [T, hidden]
         if inputs.logits_indices.numel() == 0:
             return torch.empty(0, self.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()

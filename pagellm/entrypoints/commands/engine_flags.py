@@ -41,6 +41,8 @@ HELP = {
                          "temperature, top_p, top_k, min_p and repetition_penalty; vllm: the "
                          "engine's own defaults; or a folder holding generation_config.json "
                          "(default: auto)",
+    "enforce_eager": "run every step eagerly: no CUDA graphs for decode steps (CUDA only; "
+                     "the CPU never uses them)",
 }
 POSITIONAL = ("model",)
 
