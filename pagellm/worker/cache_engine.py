@@ -3,12 +3,27 @@
 The block manager (pagellm.kv) decides which block holds what; this class owns the memory the
 block ids point into and moves it when the manager says so (copy-on-write copies before a
 step, swap out/in on preemption).
+
+On CUDA, swaps run on a side stream, so that the copies over PCIe overlap the model's work:
+
+- swap_out: the side stream waits for the compute stream (whose kernels may still be writing
+  the blocks), gathers the blocks into one device tensor and copies it, non-blocking, into a
+  pinned staging buffer; the compute stream waits only for the gather, then may reuse the
+  device blocks. Once the copy has completed, the staging buffer is scattered into the CPU
+  cache (on the host) and released.
+- swap_in: staged swap-outs are completed first (their blocks may be the ones read); the
+  blocks are gathered on the host into a pinned staging buffer, copied non-blocking and
+  scattered into the device cache on the side stream, and the compute stream waits for that
+  before the model reads them. The staging buffer lives until the copy has completed.
+
+On the CPU everything is a plain synchronous copy.
 """
 from __future__ import annotations
 
 import ctypes
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +63,9 @@ class CacheEngine:
                                      pin_memory=self.device.type == "cuda")
         self.kv_caches: list[KVCache] = [(self.device_cache[i, 0], self.device_cache[i, 1])
                                          for i in range(self.num_layers)]
+        self.swap_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
+                            else None)
+        self.in_flight = InFlightCopies()
 
     @staticmethod
     def bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
@@ -68,15 +86,52 @@ class CacheEngine:
         if not pairs:
             return
         device_ids, cpu_ids = self._indices(pairs, self.num_blocks, self.num_cpu_blocks, "cpu")
-        self.cpu_cache[:, :, cpu_ids] = self.device_cache[:, :, device_ids.to(self.device)].cpu()
+        if self.swap_stream is None:
+            self.cpu_cache[:, :, cpu_ids] = self.device_cache[:, :, device_ids]
+            return
+        self.in_flight.reap()
+        compute = torch.cuda.current_stream(self.device)
+        self.swap_stream.wait_stream(compute)  # the step that wrote the blocks comes first
+        with torch.cuda.stream(self.swap_stream):
+            blocks = self.device_cache[:, :, device_ids.to(self.device)]  # [L, 2, n, ...]
+            gathered = torch.cuda.Event()
+            gathered.record()
+            staging = torch.empty(blocks.shape, dtype=self.dtype, pin_memory=True)
+            staging.copy_(blocks, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        compute.wait_event(gathered)  # from here the compute stream may overwrite the blocks
+
+        def finish() -> None:
+            self.cpu_cache[:, :, cpu_ids] = staging
+
+        self.in_flight.add(InFlightCopy(copied, staging, finish))
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy CPU block -> device block for each (cpu, device) pair."""
         if not pairs:
             return
         cpu_ids, device_ids = self._indices(pairs, self.num_cpu_blocks, self.num_blocks, "cpu")
-        blocks = self.cpu_cache[:, :, cpu_ids].to(self.device)
-        self.device_cache[:, :, device_ids.to(self.device)] = blocks
+        if self.swap_stream is None:
+            self.device_cache[:, :, device_ids] = self.cpu_cache[:, :, cpu_ids]
+            return
+        self.in_flight.reap(wait=True)  # swap-outs still staged land in the CPU cache first
+        shape = (self.num_layers, 2, len(cpu_ids), *self.cpu_cache.shape[3:])
+        staging = torch.empty(shape, dtype=self.dtype, pin_memory=True)
+        torch.index_select(self.cpu_cache, 2, cpu_ids, out=staging)
+        compute = torch.cuda.current_stream(self.device)
+        self.swap_stream.wait_stream(compute)  # work queued before may still read the blocks
+        with torch.cuda.stream(self.swap_stream):
+            blocks = staging.to(self.device, non_blocking=True)
+            self.device_cache[:, :, device_ids.to(self.device)] = blocks
+            copied = torch.cuda.Event()
+            copied.record()
+        compute.wait_event(copied)  # the model reads the blocks only once they are there
+        self.in_flight.add(InFlightCopy(copied, staging))
+
+    def synchronize(self) -> None:
+        """Wait for every swap in flight and complete it (the CPU cache holds every swap-out)."""
+        self.in_flight.reap(wait=True)
 
     @staticmethod
     def _indices(pairs: Sequence[tuple[int, int]], num_src: int, num_dst: int,
@@ -88,6 +143,44 @@ class CacheEngine:
             raise ValueError(f"block ids out of range (source < {num_src}, "
                              f"destination < {num_dst}): {list(pairs)[:8]}")
         return src.to(device), dst.to(device)
+
+
+@dataclass(slots=True)
+class InFlightCopy:
+    """A swap issued on the swap stream, complete once ``event`` has completed. ``staging``
+    (pinned host memory the copy reads or writes) is held until then; ``finish`` runs then
+    (a swap-out's scatter of the staged blocks into the CPU cache)."""
+
+    event: Any  # torch.cuda.Event: query(), synchronize()
+    staging: torch.Tensor
+    finish: Callable[[], None] | None = None
+
+
+class InFlightCopies:
+    """Swaps in flight, in issue order. Invariant: they are completed (``finish`` run,
+    staging released) in that order, so of two swap-outs to one CPU block the later wins."""
+
+    def __init__(self) -> None:
+        self._copies: list[InFlightCopy] = []
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def add(self, copy: InFlightCopy) -> None:
+        self._copies.append(copy)
+
+    def reap(self, wait: bool = False) -> None:
+        """Complete the copies whose events have completed, up to the first that has not;
+        with ``wait``, wait for each and complete them all."""
+        while self._copies:
+            copy = self._copies[0]
+            if wait:
+                copy.event.synchronize()
+            elif not copy.event.query():
+                return
+            if copy.finish is not None:
+                copy.finish()
+            self._copies.pop(0)
 
 
 def kv_memory_model(hf_config: Any, dtype: torch.dtype) -> KVMemoryModel:

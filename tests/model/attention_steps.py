@@ -7,6 +7,21 @@ import torch
 from pagellm.attention import AttentionMetadata
 
 
+# (tokens already in the cache, tokens computed this step), prefills first
+MIXED_BATCH = [
+    (0, 37),  # whole prompt: spans several 16-query blocks
+    (21, 7),  # chunk continuing two earlier chunks
+    (32, 9),  # prompt after a 32-token prefix-cache hit
+    (0, 2),  # shortest prefill
+    (24, 6),  # chunk whose first key visible under window 10 (15) ends a 16-key tile
+    (0, 1),  # one-token prompt: a decode
+    (24, 1),  # decode whose first key visible under window 10 (15) ends a 16-key tile
+    (15, 1),  # decode whose new token ends a 16-token block
+    (16, 1),  # decode at the first slot of a new block
+    (70, 1),  # long decode: several key tiles
+]
+
+
 def make_step(batch, block_size, dtype, num_heads=6, num_kv_heads=2, head_dim=16, seed=0,
               spare_entry=False):
     """``batch``: (tokens already in the cache, tokens computed this step) per sequence,

@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.cache_engine import CacheEngine, InFlightCopies, InFlightCopy
 
 
 @pytest.fixture
@@ -63,3 +63,50 @@ def test_out_of_range_block_ids_are_rejected(engine):
         engine.copy_blocks([(0, 10)])
     with pytest.raises(ValueError, match="out of range"):
         engine.swap_out([(0, 4)])
+
+
+class FakeEvent:
+    """A CUDA event's query/synchronize, completed by the test."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_in_flight_swaps_complete_in_issue_order_and_hold_their_staging():
+    cpu_block = torch.zeros(2)
+    first, second = FakeEvent(), FakeEvent()
+    staging = [torch.full((2,), 1.0), torch.full((2,), 2.0)]
+    copies = InFlightCopies()
+    copies.add(InFlightCopy(first, staging[0], lambda: cpu_block.copy_(staging[0])))
+    copies.add(InFlightCopy(second, staging[1], lambda: cpu_block.copy_(staging[1])))
+    copies.reap()
+    assert len(copies) == 2 and cpu_block.tolist() == [0.0, 0.0]  # nothing done yet
+    second.done = True
+    copies.reap()  # the second is done, but the first is not: neither is completed
+    assert len(copies) == 2 and cpu_block.tolist() == [0.0, 0.0]
+    first.done = True
+    copies.reap()  # both, in order: the later swap-out to the same block wins
+    assert len(copies) == 0 and cpu_block.tolist() == [2.0, 2.0]
+
+
+def test_reap_with_wait_completes_every_copy():
+    copies = InFlightCopies()
+    events = [FakeEvent() for _ in range(3)]
+    finished = []
+    for i, event in enumerate(events):
+        copies.add(InFlightCopy(event, torch.zeros(1), lambda i=i: finished.append(i)))
+    copies.add(InFlightCopy(FakeEvent(), torch.zeros(1)))  # a swap-in: nothing to finish
+    copies.reap(wait=True)
+    assert finished == [0, 1, 2] and len(copies) == 0 and all(e.done for e in events)
+
+
+def test_the_cpu_cache_engine_swaps_synchronously(engine):
+    assert engine.swap_stream is None
+    engine.swap_out([(5, 0)])
+    assert len(engine.in_flight) == 0 and float(engine.cpu_cache[0, 0, 0].mean()) == 5.0

@@ -19,7 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton_backend defines its kernel
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from attention_steps import make_step  # noqa: E402
+from attention_steps import MIXED_BATCH, make_step  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -35,19 +35,6 @@ if not triton_backend.INTERPRETED:
     pytest.skip("triton_backend was imported before TRITON_INTERPRET=1 was set",
                 allow_module_level=True)
 
-# (tokens already in the cache, tokens computed this step), prefills first
-MIXED_BATCH = [
-    (0, 37),  # whole prompt: spans several 16-query blocks
-    (21, 7),  # chunk continuing two earlier chunks
-    (32, 9),  # prompt after a 32-token prefix-cache hit
-    (0, 2),  # shortest prefill
-    (24, 6),  # chunk whose first key visible under window 10 (15) ends a 16-key tile
-    (0, 1),  # one-token prompt: a decode
-    (24, 1),  # decode whose first key visible under window 10 (15) ends a 16-key tile
-    (15, 1),  # decode whose new token ends a 16-token block
-    (16, 1),  # decode at the first slot of a new block
-    (70, 1),  # long decode: several key tiles
-]
 # The smallest tiles tl.dot allows: short test sequences still span several query blocks and
 # key tiles, and the sliding window skips whole tiles.
 SMALL_TILES = triton_backend.LaunchConfig(16, 16, 4, 16, 4)
