@@ -22,45 +22,68 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 
 import torch
 
 from pagellm.attention import AttentionMetadata
 from pagellm.attention import torch_backend
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 12, 4, 64  # the small Llama
-BLOCK_SIZE = 16
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """One attention layer's heads and the cache's block size."""
+
+    num_heads: int = 12  # the small Llama
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    block_size: int = 16
+
+
+SMALL = AttentionShape()
 
 
 def make_case(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype,
-              device: str, seed: int = 0) -> tuple:
-    """(query, key, value, k_cache, v_cache, metadata) for one step of these sequences."""
+              device: str, seed: int = 0, shape: AttentionShape = SMALL) -> tuple:
+    """(query, key, value, k_cache, v_cache, metadata) for one step of these sequences. The
+    values are drawn on ``device`` (seeded): caches of tens of GiB are drawn in milliseconds."""
     gen = torch.Generator().manual_seed(seed)
-    needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    values = torch.Generator(device=device).manual_seed(seed)
+    block_size = shape.block_size
+    needed = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(needed) + 16
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, start = [], 0
     for n in needed:
         tables.append(order[start:start + n])
         start += n
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen).to(device, dtype)
-    v_cache = torch.randn(shape, generator=gen).to(device, dtype)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=values, device=device, dtype=dtype)
+
+    k_cache = randn(num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+    v_cache = randn(num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
     num_tokens = sum(query_lens)
-    query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, device=device)
+    query = randn(num_tokens, shape.num_heads, shape.head_dim)
+    key = randn(num_tokens, shape.num_kv_heads, shape.head_dim)
+    value = randn(num_tokens, shape.num_kv_heads, shape.head_dim)
+    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device)
     return query, key, value, k_cache, v_cache, metadata
 
 
 def bench_case(name: str, query_lens: list[int], seq_lens: list[int], dtype: torch.dtype,
-               triton_attention, do_bench, device: str = "cuda") -> dict:
-    query, key, value, k_cache, v_cache, metadata = make_case(query_lens, seq_lens, dtype, device)
-    scale = HEAD_DIM ** -0.5
+               triton_attention, do_bench, device: str = "cuda", shape: AttentionShape = SMALL,
+               with_torch: bool = True) -> dict:
+    """Time one step of each backend; ``with_torch=False`` skips the torch path (its gathered
+    copy of the K/V may not fit beside the cache)."""
+    query, key, value, k_cache, v_cache, metadata = make_case(query_lens, seq_lens, dtype,
+                                                              device, shape=shape)
+    scale = shape.head_dim ** -0.5
+    backends = [("triton", triton_attention)]
+    if with_torch:
+        backends.append(("torch", torch_backend.paged_attention))
     times, outputs = {}, {}
-    for backend, attend in (("triton", triton_attention),
-                            ("torch", torch_backend.paged_attention)):
+    for backend, attend in backends:
         def call(attend=attend):
             return attend(query, key, value, k_cache, v_cache, metadata, scale)
 
@@ -68,15 +91,20 @@ def bench_case(name: str, query_lens: list[int], seq_lens: list[int], dtype: tor
         times[backend] = do_bench(call, warmup=25, rep=100, return_mode="median")
     # A decode reads each cached K/V element once: its bytes per second say how close the
     # kernel is to the memory bandwidth. (A prefill rereads K/V per query block.)
-    kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    kv_bytes = 2 * sum(seq_lens) * shape.num_kv_heads * shape.head_dim * k_cache.element_size()
     is_decode = all(n == 1 for n in query_lens)
+    torch_ms = times.get("torch")
     return {"case": name, "num_seqs": len(seq_lens), "query_tokens": sum(query_lens),
-            "context": max(seq_lens), "triton_ms": round(times["triton"], 4),
-            "torch_ms": round(times["torch"], 4),
-            "speedup": round(times["torch"] / times["triton"], 2),
+            "context": max(seq_lens), "kv_bytes": kv_bytes,
+            "triton_ms": round(times["triton"], 4),
+            "torch_ms": None if torch_ms is None else round(torch_ms, 4),
+            "speedup": None if torch_ms is None else round(torch_ms / times["triton"], 2),
             "triton_kv_read_gb_per_s":
                 round(kv_bytes / times["triton"] / 1e6, 1) if is_decode else None,
-            "max_abs_diff": float((outputs["triton"] - outputs["torch"]).abs().max())}
+            "torch_kv_read_gb_per_s":
+                round(kv_bytes / torch_ms / 1e6, 1) if is_decode and torch_ms else None,
+            "max_abs_diff": (float((outputs["triton"] - outputs["torch"]).abs().max())
+                             if with_torch else None)}
 
 
 def cases(batch_sizes: list[int], contexts: list[int]) -> list[tuple[str, list[int], list[int]]]:
@@ -108,9 +136,9 @@ def main() -> None:
                for name, query_lens, seq_lens in cases(
                    [int(b) for b in args.batch_sizes.split(",")],
                    [int(c) for c in args.contexts.split(",")])]
-    print(json.dumps({"model": "small Llama attention layer", "num_heads": NUM_HEADS,
-                      "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                      "block_size": BLOCK_SIZE, "dtype": args.dtype,
+    print(json.dumps({"model": "small Llama attention layer", "num_heads": SMALL.num_heads,
+                      "num_kv_heads": SMALL.num_kv_heads, "head_dim": SMALL.head_dim,
+                      "block_size": SMALL.block_size, "dtype": args.dtype,
                       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "triton": triton.__version__, "results": results},
                      indent=1))

@@ -105,7 +105,8 @@ def run_hf_static(model, requests: list[BenchRequest], kv_slots_budget: int,
         chunk = [requests[i] for i in batch]
         longest_prompt = max(r.prompt_len for r in chunk)
         longest_output = max(r.output_len for r in chunk)
-        input_ids, attention_mask = _left_pad(chunk, longest_prompt, pad_token_id)
+        input_ids, attention_mask = (t.to(model.device) for t in
+                                     _left_pad(chunk, longest_prompt, pad_token_id))
         recorder = _StepRecorder(timeline, start, [r.prompt_len for r in chunk],
                                  [r.output_len for r in chunk], longest_prompt,
                                  len(requests) - done - len(chunk))

@@ -153,7 +153,8 @@ def _warm_up_hf(model) -> None:
     import torch
 
     with torch.inference_mode():
-        model.generate(input_ids=torch.arange(3, 35).unsqueeze(0), max_new_tokens=4,
+        model.generate(input_ids=torch.arange(3, 35, device=model.device).unsqueeze(0),
+                       max_new_tokens=4,
                        do_sample=False, pad_token_id=0)
 
 

@@ -87,6 +87,7 @@ class EngineOptions:
     preemption_mode: str | None = None
     watermark: float = 0.01
     seed: int = 0
+    enforce_eager: bool = False
 
     def engine_args(self):
         from pagellm.config import EngineArgs
@@ -98,7 +99,8 @@ class EngineOptions:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space,
-            preemption_mode=self.preemption_mode, watermark=self.watermark, seed=self.seed)
+            preemption_mode=self.preemption_mode, watermark=self.watermark, seed=self.seed,
+            enforce_eager=self.enforce_eager)
 
 
 def build_engine(options: EngineOptions):
