@@ -311,7 +311,7 @@ def test_greedy_argmax_is_torchs_argmax():
 
     gen = torch.Generator().manual_seed(0)
     for vocab in (512, 1000, 32000, 49152):
-        x = torch.randn(9, vocab, generator=gen)
+        x = torch.randn(9, vocab, generator=gen)  # 9 rows: the two-level path
         x[1, 3] = x[1, 700 % vocab] = 1e6  # a tie: the first wins
         x[2, -1] = 1e6  # the maximum in the padded last block
         x[3] = -math.inf  # every token banned
