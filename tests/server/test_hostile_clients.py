@@ -242,3 +242,51 @@ def test_prefix_cache_is_isolated_per_api_key(hardened):
     assert _prefix_hits(hardened) == before, "key B reused key A's cached prefix"
     assert post(hardened, "/v1/completions", body, KEY_A).status_code == 200
     assert _prefix_hits(hardened) > before, "key A's own prefix was not reused"
+
+
+# ---------------------------------------------------------------- a second server: no key,
+# prefix cache isolated per `user` field, room for two connections
+@pytest.fixture(scope="module")
+def per_user(tiny_model, tmp_path_factory):
+    proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("per-user") / "serve.log",
+                         "--prefix-cache-isolation", "user", "--limit-concurrency", "2")
+    proc.wait_ready()
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def test_prefix_cache_is_isolated_per_user_field(per_user):
+    prompt = [9 + (i % 90) for i in range(100)]
+
+    def complete(user: str) -> None:
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "user": user}
+        assert httpx.post(per_user.url + "/v1/completions", json=body,
+                          timeout=60).status_code == 200
+
+    def hits() -> int:
+        return httpx.get(f"{per_user.url}/stats", timeout=10).json()["prefix_cache_hits"]
+
+    complete("alice")
+    before = hits()
+    complete("bob")
+    assert hits() == before, "bob reused alice's cached prefix"
+    complete("alice")
+    assert hits() > before, "alice's own prefix was not reused"
+
+
+def test_connections_past_the_limit_get_a_json_503(per_user):
+    """--limit-concurrency 2: with two connections open, a third client's request is refused
+    with an OpenAI-style 503 at once; once they close, it is served."""
+    idle = [_connect(per_user) for _ in range(2)]
+    try:
+        time.sleep(0.2)
+        refused = httpx.get(f"{per_user.url}/v1/models", timeout=10)
+    finally:
+        for sock in idle:
+            sock.close()
+    assert_openai_error(refused, 503, "connection limit")
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{per_user.url}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert httpx.get(f"{per_user.url}/v1/models", timeout=10).status_code == 200

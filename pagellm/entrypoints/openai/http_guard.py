@@ -25,6 +25,7 @@ import time
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http import h11_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagellm.entrypoints.openai.errors import error_body, error_response
@@ -89,8 +90,24 @@ def raw_json_response(status: int, reason: str, message: str) -> bytes:
     return head.encode() + body
 
 
+async def _service_unavailable(scope: Scope, receive: Receive, send: Send) -> None:
+    """What uvicorn answers past ``limit_concurrency``, as an OpenAI-style JSON 503."""
+    body = json.dumps(error_body("the server is at its connection limit "
+                                 "(--limit-concurrency); try again later", 503)).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def guarded_h11_protocol(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a request-head deadline and JSON errors (module docstring)."""
+    """uvicorn's h11 protocol with a request-head deadline and JSON errors (module docstring).
+
+    uvicorn's h11 protocol answers a request past ``limit_concurrency`` with the ASGI app its
+    module names ``service_unavailable`` (plain text); this server's process swaps in the JSON
+    one above."""
+    h11_impl.service_unavailable = _service_unavailable
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
