@@ -110,7 +110,7 @@ def test_step_kv_lands_in_its_slots_and_nowhere_else(which, dtype, decode_path):
         untouched[slots] = False
         assert torch.equal(flat_after[untouched], flat_before[untouched])
     # slot_mapping agrees with the block tables: position p -> table[p // bs] * bs + p % bs
-    expected, i = [], 0
+    expected = []
     for (context, query_len), table in zip(batch, tables):
         expected += [table[p // 16] * 16 + p % 16 for p in range(context, context + query_len)]
     assert slots.tolist() == expected
