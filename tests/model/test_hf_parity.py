@@ -8,7 +8,6 @@ prefix-cache hits, sequences ending at block boundaries.
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import MAX_NEW_TOKENS, VARIANTS
 from helpers import random_prompts
 from paged_greedy import PagedGreedy, run_greedy
