@@ -11,9 +11,10 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagellm.kv.block_map import BlockMap, pool_map
-from pagellm.kv.block_pool import ROOT_HASH, BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from pagellm.kv.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 from pagellm.kv.block_table import BlockTable, cdiv
 from pagellm.kv.interface import NO_PREFIX, BlockCopies, KVCacheStats, PrefixMatch
+from pagellm.kv.invariants import check_paged_manager
 
 
 @dataclass(slots=True)
@@ -409,43 +410,6 @@ class KVCacheManager:
                                  trim_free_tail=True))
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if any invariant of the class docstring is broken (for tests)."""
-        assert not self._seqs.keys() & self._swapped.keys(), "a sequence is on both sides"
-        self.block_pool.check_invariants(
-            Counter(b for seq in self._seqs.values() for b in seq.table.block_ids))
-        self.cpu_block_pool.check_invariants(
-            Counter(b for seq in self._swapped.values() for b in seq.table.block_ids))
-        partial_fill: dict[int, int] = {}
-        full: set[int] = set()
-        for seq_id, seq in [*self._seqs.items(), *self._swapped.items()]:
-            self._check_sequence(seq_id, seq, on_device=seq_id in self._seqs)
-        for seq in self._seqs.values():
-            table = seq.table
-            if table.last_block_is_partial():
-                fill = table.num_tokens_in_last_block()
-                assert partial_fill.setdefault(table.block_ids[-1], fill) == fill, \
-                    f"block {table.block_ids[-1]} is shared with different fills"
-                full.update(table.block_ids[:-1])
-            else:
-                full.update(table.block_ids)
-        assert not full & partial_fill.keys(), "a block is full in one table, partial in another"
-
-    def _check_sequence(self, seq_id: Hashable, seq: _Sequence, on_device: bool) -> None:
-        table = seq.table
-        assert len(table.block_ids) == cdiv(table.num_tokens, self.block_size), \
-            f"sequence {seq_id!r}: {len(table.block_ids)} blocks for {table.num_tokens} tokens"
-        assert len(set(table.block_ids)) == len(table.block_ids), f"{seq_id!r} holds a block twice"
-        if not self.enable_prefix_caching:
-            assert not seq.block_hashes
-            return
-        assert len(seq.block_hashes) == table.num_full_blocks or (
-            seq.num_computed_hashes == len(seq.block_hashes)), f"{seq_id!r}: hash count"
-        assert seq.num_computed_hashes <= len(seq.block_hashes), f"{seq_id!r}: computed count"
-        parent = ROOT_HASH
-        for block_id, block_hash in zip(table.block_ids, seq.block_hashes):
-            assert block_hash.parent == parent and block_hash.extra_keys == seq.extra_keys
-            parent = block_hash.value
-            if on_device:
-                held = self._blocks[block_id].block_hash
-                assert held is None or held == block_hash, \
-                    f"{seq_id!r}: block {block_id} is cached as other tokens than it holds"
+        """Raise AssertionError if any invariant of the class docstring is broken (for tests;
+        the checks are in pagellm.kv.invariants)."""
+        check_paged_manager(self)
