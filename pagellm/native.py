@@ -93,6 +93,16 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.partition(":")[2].strip() for ln in f
+                         if ln.startswith("model name")), "") or platform.processor()
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
 def status() -> dict[str, str]:
     """What happened to each kernel this process tried to build: ``built (...)`` or
     ``off: <why>``."""

@@ -24,13 +24,7 @@ _NOTABLE_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16
 def cpu_summary() -> str:
     """The CPU model and the instruction sets that matter here, e.g. ``AMD EPYC (x86_64;
     avx2 avx512f avx512_bf16)``."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.partition(":")[2].strip() for ln in f
-                          if ln.startswith("model name")), model)
-    except OSError:
-        pass
+    model = native.cpu_model() or platform.machine()
     flags = [flag for flag in _NOTABLE_CPU_FLAGS if flag in native.cpu_flags()]
     return f"{model} ({platform.machine()}; {' '.join(flags) or 'no notable vector flags'})"
 
