@@ -199,7 +199,7 @@ class LLMEngine:
             self._fail_requests(self._plan_request_ids(plan), f"the engine step failed: {exc!r}")
             raise
         self.num_consecutive_failed_steps = 0
-        failed = self._check_runner_output(plan, runner_output)
+        failed = self._check_runner_output(runner_output)
         update = self.scheduler.update_from_output(plan, runner_output)
         return failed + self._finish_step(update)
 
@@ -229,20 +229,20 @@ class LLMEngine:
                                   f"row, the last with {exc!r}") from exc
         return outputs
 
-    def _check_runner_output(self, plan: SchedulerOutput,
-                             output: ModelRunnerOutput) -> list[RequestOutput]:
+    def _check_runner_output(self, output: ModelRunnerOutput) -> list[RequestOutput]:
         """Fail the request of each sequence whose sampled ids are not token ids (they would
         break the next step's embedding lookup for the whole batch)."""
         vocab = self.hf_config.vocab_size
         bad: dict[str, str] = {}
-        for item in plan.scheduled:
-            token = next((s.token_id for s in output.sampled.get(item.seq_id, ())
-                          if not (isinstance(s.token_id, int) and 0 <= s.token_id < vocab)),
-                         None)
-            seq = self.scheduler.seqs.get(item.seq_id)
-            if token is not None and seq is not None:
-                bad[seq.request.request_id] = (f"the model produced token id {token!r}, out of "
-                                               f"range [0, {vocab})")
+        for seq_id, samples in output.sampled.items():
+            for sample in samples:
+                token = sample.token_id
+                if isinstance(token, int) and 0 <= token < vocab:
+                    continue
+                seq = self.scheduler.seqs.get(seq_id)
+                if seq is not None:
+                    bad[seq.request.request_id] = (f"the model produced token id {token!r}, "
+                                                   f"out of range [0, {vocab})")
         outputs = []
         for request_id, error in bad.items():
             logger.error("request %s failed: %s", request_id, error)

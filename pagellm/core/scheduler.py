@@ -256,7 +256,7 @@ class Scheduler:
         sample_ids = ()
         if samples:
             sample_ids = (seq.seq_id,)
-            if params.n > 1 and seq.index == 0 and not request.forked:  # forks after the step
+            if self.seats(seq) > 1:  # the prompt forks into n samples after the step
                 sample_ids += tuple(f"{request.request_id}#{i}" for i in range(1, params.n))
         k = params.prompt_logprobs
         return ScheduledSequence(
@@ -322,13 +322,10 @@ class Scheduler:
             if not samples:
                 continue
             requests[request.request_id] = request
-            if len(samples) == 1:
-                seq.token_ids.append(samples[0].token_id)
-                new_tokens.append((seq, samples[0]))
-                self._check_stop(seq, samples[0].token_id)
-                continue
-            request.forked = True
-            targets = [seq] + [self._fork(seq, i) for i in range(1, len(samples))]
+            targets = [seq]
+            if len(samples) > 1:  # the first samples of an n > 1 request: fork the prompt
+                request.forked = True
+                targets += [self._fork(seq, i) for i in range(1, len(samples))]
             for target, sample in zip(targets, samples):
                 target.token_ids.append(sample.token_id)
                 new_tokens.append((target, sample))
