@@ -25,6 +25,7 @@ from pagellm.config import EngineArgs
 from pagellm.core.engine import EngineDeadError, LLMEngine, PromptType
 from pagellm.core.kv_view import MetricsHistory
 from pagellm.core.stats import EngineStats
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -54,6 +55,7 @@ class NewRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class OutputStream:
@@ -307,7 +309,7 @@ class AsyncLLMEngine:
         try:
             for r in requests:
                 self.engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority,
-                                        cache_salt=r.cache_salt)
+                                        cache_salt=r.cache_salt, lora_request=r.lora_request)
                 done.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, engine unharmed
             self.engine.abort_request(done)
