@@ -103,6 +103,12 @@ def check_adapter_config(config: dict[str, Any], where: str) -> None:
         raise ValueError(f"LoRA adapter {where!r}: trained biases (bias="
                          f"{config.get('bias')!r}, lora_bias={config.get('lora_bias')!r}) are "
                          "not supported")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unsupported = sorted(set(targets) - set(SUPPORTED_TARGETS))
+        if unsupported:
+            raise ValueError(f"LoRA adapter {where!r}: target_modules {unsupported} not "
+                             f"supported (supported: {', '.join(SUPPORTED_TARGETS)})")
     if config.get("fan_in_fan_out"):
         raise ValueError(f"LoRA adapter {where!r}: fan_in_fan_out=True (Conv1D layers) is "
                          "not supported")
