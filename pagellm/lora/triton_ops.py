@@ -9,9 +9,15 @@ without adapter (slot -1) return at once. Tested against ``ops.lora_torch`` unde
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+# Whether the kernels below run under Triton's interpreter (numpy, on CPU tensors): read when
+# they are defined, as Triton does.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
