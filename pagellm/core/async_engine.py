@@ -212,6 +212,16 @@ class AsyncLLMEngine:
         finally:
             self.release(stream)
 
+    async def run_on_engine(self, fn: Callable, *args):
+        """Call ``fn(*args)`` on the engine loop thread, between steps (the engine is not
+        thread-safe): e.g. registering a LoRA adapter. Its exception is raised here."""
+        self._check_accepting()
+        if self._loop is None:
+            raise RuntimeError("AsyncLLMEngine.start() has not been called")
+        done: asyncio.Future = self._loop.create_future()
+        self._submit(("call", fn, args, done))
+        return await done
+
     def release(self, stream: OutputStream) -> None:
         """Forget a stream and abort its unfinished requests (no-op for finished ones)."""
         for rid in stream.request_ids:
@@ -300,6 +310,15 @@ class AsyncLLMEngine:
             return self.engine.abort_request(command[1])
         if kind == "abort_all":
             return self.engine.abort_all()
+        if kind == "call":
+            _, fn, args, done = command
+            try:
+                result = fn(*args)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                self._call_on_loop(_settle, done, exc)
+            else:
+                self._call_on_loop(_settle, done, None, result)
+            return []
         if kind == "kv_view":
             view = self.engine.get_kv_view(self._history.points())
             self._call_on_loop(_settle, command[1], None, view)
