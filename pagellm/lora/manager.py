@@ -109,8 +109,8 @@ class LoRAManager:
         return self.slots.pop(victim)
 
     def _load_into_slot(self, request: LoRARequest, slot: int) -> None:
-        if request.lora_int_id not in self.registered:
-            self.add_lora(request)
+        # checked when its request was added; a request queued before its adapter was
+        # removed still runs with it (read from its folder again if need be)
         adapter = self._cpu_model(request)
         pairs: dict[LoRALinear, list] = {layer: [None] * len(layer.shards)
                                          for layer in self.layers.values()}
