@@ -103,3 +103,19 @@ def test_lora_modules_flag_is_checked():
     with pytest.raises(ValueError, match="--lora-modules 'nopath' is invalid: expected "
                                          "NAME=PATH"):
         parse_lora_modules(["nopath"])
+
+
+def test_adapter_routes_without_enable_lora_are_400():
+    """A server without --enable-lora (here over the in-process fake engine) refuses the
+    adapter routes and treats an adapter name as an unknown model."""
+    from server_fakes import FakeEngine
+    from test_app_inprocess import call
+
+    from pagellm.bench.random_model import build_tokenizer
+
+    load, completion = call(FakeEngine(build_tokenizer(512, seed=0)), [
+        ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"}),
+        ("POST", "/v1/completions", {"model": "a", "prompt": "hi", "max_tokens": 2})])
+    assert load.status_code == 400 and "--enable-lora" in load.json()["error"]["message"]
+    assert completion.status_code == 404
+    assert completion.json()["error"]["code"] == "model_not_found"
