@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pagellm.lora.adapter import LoRAPair
-from pagellm.lora.ops import lora_torch, slot_mask
+from pagellm.lora.ops import LoRABatch, lora_torch
 from pagellm.model.layers.linear import Linear, MergedLinear
 
 # the decoder's projections an adapter may target, as (fused module, checkpoint names)
@@ -20,33 +20,12 @@ WRAPPED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 
 
 class LoRAStepState:
-    """The step's token -> slot map, shared by all LoRA layers of a model.
+    """The step's tokens by adapter slot (``LoRABatch``), shared by all LoRA layers of a
+    model; None when no token of the step has an adapter (the layers skip the update)."""
 
-    ``token_slots`` [T] int64 (-1: no adapter), in the runner's packed token order;
-    ``num_slots``: the highest slot used + 1 (0: no token has an adapter, layers skip the
-    update); ``masks``: the one-hot [T, num_slots] per dtype, built once per step for the
-    torch path.
-    """
-
-    def __init__(self) -> None:
-        self.token_slots: torch.Tensor | None = None
-        self.num_slots = 0
-        self.use_triton = False
-        self._masks: dict[torch.dtype, torch.Tensor] = {}
-
-    def set(self, token_slots: torch.Tensor, num_slots: int) -> None:
-        self.token_slots = token_slots
-        self.num_slots = num_slots
-        self._masks = {}
-
-    def clear(self) -> None:
-        self.set(None, 0)
-
-    def mask(self, dtype: torch.dtype) -> torch.Tensor:
-        mask = self._masks.get(dtype)
-        if mask is None:
-            mask = self._masks[dtype] = slot_mask(self.token_slots, self.num_slots, dtype)
-        return mask
+    def __init__(self, use_triton: bool = False) -> None:
+        self.batch: LoRABatch | None = None
+        self.use_triton = use_triton  # the Triton kernels (GPU) instead of lora_torch
 
 
 class LoRALinear(nn.Module):
@@ -95,13 +74,13 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # [T, out_features]
-        state = self.state
-        if state.num_slots == 0:
+        batch = self.state.batch
+        if batch is None:
             return y
-        if state.use_triton:
+        if self.state.use_triton:
             from pagellm.lora.triton_ops import lora_triton
-            return lora_triton(y, x, self.lora_a, self.lora_b, state.token_slots)
-        return lora_torch(y, x, self.lora_a, self.lora_b, state.mask(x.dtype))
+            return lora_triton(y, x, self.lora_a, self.lora_b, batch.token_slots)
+        return lora_torch(y, x, self.lora_a, self.lora_b, batch)
 
 
 def wrap_lora_layers(model: nn.Module, max_loras: int, max_lora_rank: int,

@@ -46,8 +46,7 @@ class LoRAManager:
                  max_cpu_loras: int, use_triton: bool = False) -> None:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = (max_loras, max_lora_rank,
                                                                   max_cpu_loras)
-        self.state = LoRAStepState()
-        self.state.use_triton = use_triton
+        self.state = LoRAStepState(use_triton)
         self.layers: dict[str, LoRALinear] = wrap_lora_layers(model, max_loras, max_lora_rank,
                                                               self.state)
         self.registered: dict[int, LoRARequest] = {}

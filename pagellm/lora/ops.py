@@ -9,32 +9,76 @@ every shard. Each token t has a slot ``token_slots[t]`` (-1: no adapter), and ge
 
     y[t] += (x[t] @ lora_a[slot]^T) @ lora_b[slot]          (scaling folded into lora_b)
 
-Two implementations, compared by the tests:
+Two implementations, compared by the tests with the one-token-at-a-time definition
+(``lora_reference``):
 
-- ``lora_torch``, the reference and the CPU path: no loop and no gather of weights. One matmul
-  against the first ``K`` slots at once ([T, K * S * R]), a one-hot mask keeps each token's own
-  slot, and one matmul expands. Its cost grows with ``K``, the highest slot the step uses + 1
-  (the slot cache hands out the lowest free slots first).
+- ``lora_torch``, the CPU path: a segmented matmul as two batched matmuls. The step's tokens
+  are grouped by slot once per step (``LoRABatch``, [n slots used, longest group]); each layer
+  gathers its input rows into that layout, multiplies each group by its own slot's A then B
+  (``torch.bmm``), and adds the rows back (``index_add_``). No Python loop over requests or
+  slots; the work is that of the tokens' own adapters (plus the padding of uneven groups).
+  A step with a single adapter skips the grouping: two plain matmuls over all tokens, the rows
+  of tokens without adapter zeroed in between.
 - ``lora_triton`` (``triton_ops.py``), for GPUs: each program reads its token's slot and only
-  that adapter's rows (a gathered matrix-vector product, punica's BGMV), so the cost does not
-  grow with the number of slots.
+  that adapter's rows (a gathered matrix-vector product, punica's BGMV).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass(slots=True)
+class LoRABatch:
+    """A step's tokens grouped by adapter slot (built once per step, read by every layer).
+
+    ``token_slots`` [T] int64 (-1: no adapter), the tokens in the runner's packed order;
+    ``slots`` [n] int64: the slots the step uses, ascending (``slot_list`` on the host);
+    ``token_index`` [n, L] int64: row i lists the tokens of ``slots[i]``, padded with token 0;
+    ``valid`` [n, L, 1] bool: False on the padding (its rows are zeroed before the matmuls, so
+    they add exact zeros); ``has_adapter`` [T, 1] bool.
+    """
+
+    token_slots: torch.Tensor
+    slots: torch.Tensor
+    slot_list: list[int]
+    token_index: torch.Tensor
+    valid: torch.Tensor
+    has_adapter: torch.Tensor
+
+    @classmethod
+    def build(cls, token_slots: list[int], device: torch.device | str) -> LoRABatch | None:
+        """From the per-token slots; None when no token has an adapter."""
+        groups: dict[int, list[int]] = {}
+        for token, slot in enumerate(token_slots):
+            if slot >= 0:
+                groups.setdefault(slot, []).append(token)
+        if not groups:
+            return None
+        slots = sorted(groups)
+        longest = max(map(len, groups.values()))
+        index = [groups[s] + [0] * (longest - len(groups[s])) for s in slots]
+        valid = [[True] * len(groups[s]) + [False] * (longest - len(groups[s])) for s in slots]
+        token_slots_t = torch.tensor(token_slots, dtype=torch.int64).to(device)
+        return cls(token_slots_t, torch.tensor(slots, dtype=torch.int64).to(device), slots,
+                   torch.tensor(index, dtype=torch.int64).to(device),
+                   torch.tensor(valid).unsqueeze(-1).to(device),
+                   (token_slots_t >= 0).unsqueeze(-1))
+
+
 def lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               slot_mask: torch.Tensor) -> torch.Tensor:
-    """Add the update to ``y`` [T, out] in place and return it. ``x`` [T, in];
-    ``slot_mask`` [T, K] one-hot rows in x's dtype (all zero for a token without adapter)."""
-    num_tokens, num_slots = slot_mask.shape
-    rows = lora_a.shape[1]  # S * R
-    a = lora_a[:num_slots].reshape(num_slots * rows, -1)  # [K * S * R, in], a view
-    b = lora_b[:num_slots].reshape(num_slots * rows, -1)  # [K * S * R, out], a view
-    shrunk = (x @ a.t()).view(num_tokens, num_slots, rows)  # [T, K, S * R]
-    shrunk = (shrunk * slot_mask.unsqueeze(-1)).view(num_tokens, num_slots * rows)
-    return y.addmm_(shrunk, b)
+               batch: LoRABatch) -> torch.Tensor:
+    """Add the update to ``y`` [T, out] in place and return it. ``x`` [T, in]."""
+    if len(batch.slot_list) == 1:
+        slot = batch.slot_list[0]
+        shrunk = (x @ lora_a[slot].t()) * batch.has_adapter  # [T, S * R]
+        return y.addmm_(shrunk, lora_b[slot])
+    a = lora_a.index_select(0, batch.slots)  # [n, S * R, in]
+    b = lora_b.index_select(0, batch.slots)  # [n, S * R, out]
+    grouped = x[batch.token_index] * batch.valid  # [n, L, in]
+    update = torch.bmm(torch.bmm(grouped, a.transpose(1, 2)), b)  # [n, L, out]
+    return y.index_add_(0, batch.token_index.view(-1), update.view(-1, y.shape[1]))
 
 
 def lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
@@ -45,9 +89,3 @@ def lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
         if slot >= 0:
             out[t] += (x[t].double() @ lora_a[slot].double().t()) @ lora_b[slot].double()
     return out
-
-
-def slot_mask(token_slots: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
-    """One-hot [T, num_slots] of ``token_slots`` [T] (-1 rows stay zero)."""
-    slots = torch.arange(num_slots, device=token_slots.device)
-    return (token_slots.unsqueeze(1) == slots).to(dtype)

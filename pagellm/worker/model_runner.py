@@ -15,6 +15,7 @@ import torch
 
 from pagellm.attention import AttentionMetadata
 from pagellm.lora.layers import LoRAStepState
+from pagellm.lora.ops import LoRABatch
 from pagellm.model.decoder import CausalLM
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
@@ -51,7 +52,7 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64, packed prefills first
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_rows] int64: packed token of each returned row
-    token_lora_slots: torch.Tensor | None = None  # [num_tokens] int64, -1: no adapter
+    lora_batch: LoRABatch | None = None  # the tokens by adapter slot (None: no adapter)
 
 
 class ModelRunner:
@@ -89,11 +90,7 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         inputs = self.prepare_inputs(batch, lora_slots)
         if self.lora_state is not None:
-            slots = inputs.token_lora_slots
-            if slots is None:
-                self.lora_state.clear()
-            else:
-                self.lora_state.set(slots, max(lora_slots) + 1)
+            self.lora_state.batch = inputs.lora_batch
         hidden = None
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.metadata)
@@ -124,12 +121,12 @@ class ModelRunner:
                                or int(tables.max()) >= self.cache_engine.num_blocks):
             raise ValueError(f"the block tables hold ids outside the cache's "
                              f"{self.cache_engine.num_blocks} blocks")
-        token_slots = None
-        if lora_slots is not None and max(lora_slots) >= 0:
-            token_slots = torch.tensor([lora_slots[i] for i in order], dtype=torch.int64)
-            token_slots = token_slots.repeat_interleave(torch.tensor(query_lens)).to(self.device)
+        lora_batch = None
+        if lora_slots is not None:
+            token_slots = [lora_slots[i] for i, n in zip(order, query_lens) for _ in range(n)]
+            lora_batch = LoRABatch.build(token_slots, self.device)
         return ModelInput(torch.tensor(input_ids, dtype=torch.int64).to(self.device), metadata,
-                          self._logits_indices(batch, order, query_lens), token_slots)
+                          self._logits_indices(batch, order, query_lens), lora_batch)
 
     def _logits_indices(self, batch: list[ScheduledSeq], order: list[int],
                         query_lens: list[int]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The batched LoRA update (lora/ops.py, lora/layers.py) against its one-token-at-a-time
-definition: random slots (some tokens without adapter), fused shards, ranks below the slot
-rank, and the slot count cut to the highest slot the step uses."""
+definition: random slots (some tokens without adapter, uneven groups, unused slots), fused
+shards, ranks below the slot rank."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 from pagellm.lora.adapter import LoRAPair
 from pagellm.lora.layers import LoRALinear, LoRAStepState
-from pagellm.lora.ops import lora_reference, lora_torch, slot_mask
+from pagellm.lora.ops import LoRABatch, lora_reference, lora_torch
 from pagellm.model.layers import Linear, QKVLinear
 
 
@@ -20,16 +20,20 @@ def random_stacks(num_slots, rows, in_features, out_features, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
-@pytest.mark.parametrize("num_tokens", [1, 7, 64])
-def test_lora_torch_matches_reference(dtype, tol, num_tokens):
+@pytest.mark.parametrize("num_tokens, one_slot", [(1, False), (7, False), (64, False),
+                                                  (9, True)])
+def test_lora_torch_matches_reference(dtype, tol, num_tokens, one_slot):
     gen = torch.Generator().manual_seed(num_tokens)
     a, b = random_stacks(4, 24, 48, 40, dtype)
     x = torch.randn(num_tokens, 48, generator=gen).to(dtype)
     y = torch.randn(num_tokens, 40, generator=gen).to(dtype)
-    slots = torch.randint(-1, 3, (num_tokens,), generator=gen)  # slot 3 unused: K = 3
+    slots = torch.randint(-1, 4, (num_tokens,), generator=gen)
+    slots[slots == 1] = 3  # slot 1 unused: the groups are slots 0, 2 and 3
     slots[0] = 2
+    if one_slot:  # one adapter and tokens without: the path without grouping
+        slots[slots >= 0] = 2
     expected = lora_reference(y, x, a, b, slots)
-    got = lora_torch(y.clone(), x, a, b, slot_mask(slots, 3, dtype))
+    got = lora_torch(y.clone(), x, a, b, LoRABatch.build(slots.tolist(), 'cpu'))
     scale = expected.abs().max().item()
     assert (got.double() - expected).abs().max().item() <= tol * scale
     untouched = slots < 0  # tokens without adapter keep the base output exactly
@@ -49,7 +53,7 @@ def test_fused_layer_places_each_shard(monkeypatch):
     layer.set_slot(1, pairs)
     x = torch.randn(5, 32)
     slots = torch.tensor([1, -1, 1, 0, 1])
-    state.set(slots, 2)
+    state.batch = LoRABatch.build(slots.tolist(), 'cpu')
     got = layer(x)
     expected = base(x).double()
     for t in (0, 2, 4):
@@ -58,8 +62,16 @@ def test_fused_layer_places_each_shard(monkeypatch):
         expected[t, 32:48] += (x[t].double() @ pairs[1].lora_a.double().t()) @ \
             pairs[1].lora_b.double().t()
     assert torch.allclose(got.double(), expected, atol=1e-4, rtol=1e-4)
-    state.clear()
+    state.batch = None
     assert torch.equal(layer(x), base(x))
+
+
+def test_batch_groups_tokens_by_slot():
+    batch = LoRABatch.build([-1, 3, 0, 3, -1, 3], "cpu")
+    assert batch.slots.tolist() == [0, 3]
+    assert batch.token_index.tolist() == [[2, 0, 0], [1, 3, 5]]
+    assert batch.valid.squeeze(-1).tolist() == [[True, False, False], [True, True, True]]
+    assert LoRABatch.build([-1, -1], "cpu") is None
 
 
 def test_set_slot_rejects_a_pair_of_the_wrong_shape():

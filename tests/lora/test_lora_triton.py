@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pagellm.lora.ops import lora_reference, lora_torch, slot_mask  # noqa: E402
+from pagellm.lora.ops import LoRABatch, lora_reference, lora_torch  # noqa: E402
 from pagellm.lora import triton_ops  # noqa: E402
 from pagellm.lora.triton_ops import lora_triton  # noqa: E402
 
@@ -34,7 +34,7 @@ def test_triton_matches_torch(dtype, tol, num_tokens, rows, in_features, out_fea
     y = torch.randn(num_tokens, out_features, generator=gen).to(dtype)
     slots = torch.randint(-1, 3, (num_tokens,), generator=gen)
     slots[0] = 2
-    expected = lora_torch(y.clone(), x, a, b, slot_mask(slots, 3, dtype))
+    expected = lora_torch(y.clone(), x, a, b, LoRABatch.build(slots.tolist(), 'cpu'))
     got = lora_triton(y.clone(), x, a, b, slots, block_r=8, block_k=16, block_n=16)
     exact = lora_reference(y, x, a, b, slots)
     scale = exact.abs().max().item()
