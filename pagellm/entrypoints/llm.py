@@ -66,14 +66,17 @@ class LLM:
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
         prompts = [{"prompt_token_ids": list(_apply_template(tokenizer, conv,
                                                              add_generation_prompt, chat_template))}
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

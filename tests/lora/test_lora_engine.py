@@ -68,6 +68,13 @@ def test_mixed_batch_matches_peft_per_adapter(lora_zoo, greedy_reference):
             assert got != greedy_reference(None, prompt, MAX_NEW_TOKENS), name
     stats = llm.llm_engine.get_stats().lora
     assert stats["num_slot_evictions"] == 0 and stats["num_loads"] == 3
+    # chat takes the adapter too: the same tokens as generate on the templated prompt
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = llm.chat(messages, GREEDY, use_tqdm=False, lora_request=lora(adapters, "all-r4"))
+    ids = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+    assert list(chat[0].outputs[0].token_ids) == greedy_reference("all-r4", ids,
+                                                                  MAX_NEW_TOKENS)
 
 
 def test_chunked_prompts_and_decodes_mix_adapters(lora_zoo, greedy_reference):
