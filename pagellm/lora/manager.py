@@ -54,9 +54,12 @@ class LoRAManager:
         self.slots: OrderedDict[int, int] = OrderedDict()
         self.free_slots = list(range(max_loras))
         self.stats = LoRAStats()
-        self._targets = {prefix + name: (layer, i) for layer_name, layer in self.layers.items()
-                         for prefix in [layer_name.rsplit(".", 1)[0] + "."]
-                         for i, name in enumerate(WRAPPED[layer_name.rsplit(".", 1)[1]])}
+        # checkpoint module name (model.layers.0.self_attn.q_proj) -> (layer, shard index)
+        self._targets: dict[str, tuple[LoRALinear, int]] = {}
+        for layer_name, layer in self.layers.items():
+            parent, fused = layer_name.rsplit(".", 1)
+            for shard, name in enumerate(WRAPPED[fused]):
+                self._targets[f"{parent}.{name}"] = (layer, shard)
 
     # ---------------------------------------------------------------- registry
     def add_lora(self, request: LoRARequest) -> None:
