@@ -8,6 +8,7 @@ available at start-up. ``num_gpu_blocks_override`` wins over both.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -128,8 +129,9 @@ def _make_lora_manager(args: EngineArgs, model, runner: ModelRunner,
     the profiled peak ignores the small adapter slots) and give the runner their step state."""
     if not args.enable_lora:
         return None
+    use_triton = device.type == "cuda" and importlib.util.find_spec("triton") is not None
     manager = LoRAManager(model, args.max_loras, args.max_lora_rank,
-                          args.resolved_max_cpu_loras, use_triton=runs_triton(device))
+                          args.resolved_max_cpu_loras, use_triton=use_triton)
     runner.lora_state = manager.state
     return manager
 

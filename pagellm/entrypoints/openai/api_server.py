@@ -59,7 +59,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
                         served_model_names=list(served_model_names),
                         max_model_len=engine.max_model_len,
                         prefix_cache_isolation=config.prefix_cache_isolation,
-                        loras=_lora_models(engine, config))
+                        loras=_lora_models(engine, config, served_model_names))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -101,13 +101,14 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         return ModelList(data=cards).model_dump(mode="json")
 
 
-def _lora_models(engine: AsyncLLMEngine, config: ServerConfig) -> LoRAModels | None:
+def _lora_models(engine: AsyncLLMEngine, config: ServerConfig,
+                 served_model_names: list[str]) -> LoRAModels | None:
     if not getattr(getattr(engine.engine, "args", None), "enable_lora", False):
         if config.lora_modules:
             raise ValueError("--lora-modules needs --enable-lora")
         return None
     loras = LoRAModels(engine)
-    loras.add_at_start(list(config.lora_modules))
+    loras.add_at_start(list(config.lora_modules), list(served_model_names))
     return loras
 
 

@@ -41,12 +41,12 @@ class LoRAModels:
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
 
-    def add_at_start(self, modules: list[tuple[str, str]]) -> None:
+    def add_at_start(self, modules: list[tuple[str, str]], served_names: list[str]) -> None:
         """``--lora-modules``: register before the engine loop starts (a bad adapter stops the
         server at start-up with its error)."""
         for name, path in modules:
-            if name in self.by_name:
-                raise ValueError(f"--lora-modules names adapter {name!r} twice")
+            if name in self.by_name or name in served_names:
+                raise ValueError(f"--lora-modules: the model name {name!r} is already in use")
             request = LoRARequest(name, next(self._ids), path)
             self.engine.engine.add_lora(request)
             self.by_name[name] = request
