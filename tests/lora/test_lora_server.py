@@ -4,6 +4,7 @@ client selects an adapter by model name and gets transformers + peft's greedy to
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -94,6 +95,16 @@ def test_load_and_unload_adapter(client, lora_server, lora_zoo, greedy_reference
     assert "mlp" not in [m.id for m in client.models.list().data]
     gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "mlp"}, timeout=60)
     assert gone.status_code == 404
+    # the engine loop refreshes its stats right after the unload: poll for that snapshot
+    expected = ['pagellm:lora_loads_total{model_name="tiny-llama"} 3.0',
+                'pagellm:lora_adapters_registered{model_name="tiny-llama"} 2.0']
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        if all(line in metrics for line in expected) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert all(line in metrics for line in expected), metrics
 
 
 def test_lora_modules_flag_is_checked():
