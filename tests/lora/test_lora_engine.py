@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ADAPTERS, MAX_LORA_RANK, make_peft_adapter
+from lora_adapters import ADAPTERS, MAX_LORA_RANK, make_peft_adapter
 from helpers import random_prompts
 
 from pagellm import LLM, LoRARequest, SamplingParams

@@ -50,7 +50,7 @@ def test_engine_with_triton_lora_layers_matches_peft(lora_zoo, greedy_reference)
     transformers + peft's greedy tokens."""
     from pagellm import LLM, LoRARequest, SamplingParams
     from helpers import random_prompts
-    from conftest import ADAPTERS, MAX_LORA_RANK
+    from lora_adapters import ADAPTERS, MAX_LORA_RANK
 
     base, adapters = lora_zoo
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2,
