@@ -35,17 +35,17 @@ class LoRABatch:
 
     ``token_slots`` [T] int64 (-1: no adapter), the tokens in the runner's packed order;
     ``slots`` [n] int64: the slots the step uses, ascending (``slot_list`` on the host);
-    ``token_index`` [n, L] int64: row i lists the tokens of ``slots[i]``, padded with token 0;
-    ``valid`` [n, L, 1] bool: False on the padding (its rows are zeroed before the matmuls, so
-    they add exact zeros); ``has_adapter`` [T, 1] bool.
+    ``has_adapter`` [T, 1] bool. With several slots: ``token_index`` [n, L] int64, row i lists
+    the tokens of ``slots[i]``, padded with token 0, and ``valid`` [n, L, 1] bool, False on the
+    padding (its rows are zeroed before the matmuls, so they add exact zeros).
     """
 
     token_slots: torch.Tensor
     slots: torch.Tensor
     slot_list: list[int]
-    token_index: torch.Tensor
-    valid: torch.Tensor
     has_adapter: torch.Tensor
+    token_index: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
     @classmethod
     def build(cls, token_slots: list[int], device: torch.device | str) -> LoRABatch | None:
@@ -57,14 +57,17 @@ class LoRABatch:
         if not groups:
             return None
         slots = sorted(groups)
-        longest = max(map(len, groups.values()))
-        index = [groups[s] + [0] * (longest - len(groups[s])) for s in slots]
-        valid = [[True] * len(groups[s]) + [False] * (longest - len(groups[s])) for s in slots]
         token_slots_t = torch.tensor(token_slots, dtype=torch.int64).to(device)
-        return cls(token_slots_t, torch.tensor(slots, dtype=torch.int64).to(device), slots,
-                   torch.tensor(index, dtype=torch.int64).to(device),
-                   torch.tensor(valid).unsqueeze(-1).to(device),
-                   (token_slots_t >= 0).unsqueeze(-1))
+        batch = cls(token_slots_t, torch.tensor(slots, dtype=torch.int64).to(device), slots,
+                    (token_slots_t >= 0).unsqueeze(-1))
+        if len(slots) > 1:
+            longest = max(map(len, groups.values()))
+            index = [groups[s] + [0] * (longest - len(groups[s])) for s in slots]
+            valid = [[True] * len(groups[s]) + [False] * (longest - len(groups[s]))
+                     for s in slots]
+            batch.token_index = torch.tensor(index, dtype=torch.int64).to(device)
+            batch.valid = torch.tensor(valid).unsqueeze(-1).to(device)
+        return batch
 
 
 def lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

@@ -72,6 +72,9 @@ def test_batch_groups_tokens_by_slot():
     assert batch.token_index.tolist() == [[2, 0, 0], [1, 3, 5]]
     assert batch.valid.squeeze(-1).tolist() == [[True, False, False], [True, True, True]]
     assert LoRABatch.build([-1, -1], "cpu") is None
+    single = LoRABatch.build([-1, 4, 4], "cpu")  # one slot: no grouping
+    assert single.slot_list == [4] and single.token_index is None
+    assert single.has_adapter.squeeze(-1).tolist() == [False, True, True]
 
 
 def test_set_slot_rejects_a_pair_of_the_wrong_shape():
