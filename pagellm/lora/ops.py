@@ -33,7 +33,8 @@ import torch
 class LoRABatch:
     """A step's tokens grouped by adapter slot (built once per step, read by every layer).
 
-    ``token_slots`` [T] int64 (-1: no adapter), the tokens in the runner's packed order;
+    ``token_slots`` [T] int32 (-1: no adapter), the tokens in the runner's packed order (what
+    the Triton kernels read);
     ``slots`` [n] int64: the slots the step uses, ascending (``slot_list`` on the host);
     ``has_adapter`` [T, 1] bool. With several slots: ``token_index`` [n, L] int64, row i lists
     the tokens of ``slots[i]``, padded with token 0, and ``valid`` [n, L, 1] bool, False on the
@@ -57,7 +58,7 @@ class LoRABatch:
         if not groups:
             return None
         slots = sorted(groups)
-        token_slots_t = torch.tensor(token_slots, dtype=torch.int64).to(device)
+        token_slots_t = torch.tensor(token_slots, dtype=torch.int32).to(device)
         batch = cls(token_slots_t, torch.tensor(slots, dtype=torch.int64).to(device), slots,
                     (token_slots_t >= 0).unsqueeze(-1))
         if len(slots) > 1:
