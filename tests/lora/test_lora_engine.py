@@ -178,3 +178,20 @@ def test_adapter_config_is_peft_format(lora_zoo):
     _, adapters = lora_zoo
     config = json.loads((adapters["mlp-r16-patterns"] / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["rank_pattern"] == {"down_proj": 6}
+
+
+def test_adapter_of_another_model_is_refused(lora_zoo, tmp_path):
+    """An adapter trained on a deeper model, or on one of other widths, does not fit."""
+    from helpers import make_tiny_model
+
+    base, _ = lora_zoo
+    llm = LLM(str(base), max_loras=1, **ENGINE_KWARGS)
+    deeper = make_tiny_model(tmp_path, name="deeper", num_hidden_layers=3)
+    narrower = make_tiny_model(tmp_path, name="narrower", hidden_size=32, intermediate_size=64)
+    for other, message in [(deeper, "'model.layers.2.self_attn.q_proj' is not a projection"),
+                           (narrower, r"the model's projection is 64 -> 64")]:
+        folder = make_peft_adapter(other, tmp_path / f"{other.name}-adapter", seed=2, r=4,
+                                   target_modules=["q_proj"])
+        with pytest.raises(ValueError, match=message):
+            llm.llm_engine.add_lora(LoRARequest(other.name, 7, str(folder)))
+    assert llm.llm_engine.list_loras() == []
