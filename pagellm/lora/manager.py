@@ -108,7 +108,9 @@ class LoRAManager:
             return heapq.heappop(self.free_slots)
         victim = next(lora_id for lora_id in self.slots if lora_id not in keep)
         self.stats.num_slot_evictions += 1
-        return self.slots.pop(victim)
+        slot = self.slots.pop(victim)
+        logger.debug("LoRA adapter %d leaves slot %d", victim, slot)
+        return slot
 
     def _load_into_slot(self, request: LoRARequest, slot: int) -> None:
         # checked when its request was added; a request queued before its adapter was
