@@ -8,6 +8,7 @@ available at start-up. ``num_gpu_blocks_override`` wins over both.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from pagellm.attention.layer import runs_triton
 from pagellm.config import CPU_KV_CACHE_RAM_SHARE, EngineArgs
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.kv import ContiguousKVCacheManager, KVCacheManager
+from pagellm.lora.manager import LoRAManager
 from pagellm.model.generation_config import load_generation_defaults
 from pagellm.model.loader import (get_tokenizer, load_config, load_model, resolve_dtype,
                                   resolve_model_path)
@@ -107,16 +109,31 @@ def build_components(args: EngineArgs) -> EngineComponents:
     cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size, dtype,
                                device)
     runner = ModelRunner(model, cache_engine, device)
+    lora_manager = _make_lora_manager(args, model, runner, device)
     _capture_decode_graphs(args, runner, device, max_model_len)
     sampler = Sampler(hf_config.vocab_size, eos_token_ids)
     scheduler = Scheduler(SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        preemption_mode=args.preemption_mode, policy=args.scheduling_policy), kv, eos_token_ids)
-    worker = Worker(cache_engine, runner, sampler, device)
+        preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
+        max_loras=args.max_loras if args.enable_lora else None), kv, eos_token_ids)
+    worker = Worker(cache_engine, runner, sampler, device, lora_manager)
     return EngineComponents(device, hf_config, tokenizer, max_model_len, num_gpu_blocks,
                             num_cpu_blocks, kv, cache_engine, runner, sampler, scheduler, worker,
                             generation.sampling, eos_token_ids)
+
+
+def _make_lora_manager(args: EngineArgs, model, runner: ModelRunner,
+                       device: torch.device) -> LoRAManager | None:
+    """With enable_lora: wrap the projections in LoRA layers (after the KV cache sizing, so
+    the profiled peak ignores the small adapter slots) and give the runner their step state."""
+    if not args.enable_lora:
+        return None
+    use_triton = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    manager = LoRAManager(model, args.max_loras, args.max_lora_rank,
+                          args.resolved_max_cpu_loras, use_triton=use_triton)
+    runner.lora_state = manager.state
+    return manager
 
 
 def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.device,
@@ -125,6 +142,9 @@ def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.
     (the graphs read it at fixed addresses). Their memory comes out of what the sizing left
     free (gpu_memory_utilization's margin); vLLM measures it instead."""
     if device.type != "cuda" or args.enforce_eager:
+        return
+    if args.enable_lora:
+        logger.info("CUDA graphs off: LoRA steps run eagerly")
         return
     if not runs_triton(device):
         logger.info("CUDA graphs off: attention does not run the Triton kernels "
