@@ -13,6 +13,7 @@ import torch
 from pagellm.core.plan import (ModelRunnerOutput, PromptLogprob, SampledToken,
                                ScheduledSequence, SchedulerOutput)
 from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.grammar import TokenMasks
 from pagellm.worker.model_runner import ModelRunner, logits_rows
 from pagellm.worker.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_logprobs,
                                     has_penalties)
@@ -24,16 +25,19 @@ class Worker:
     finished, so a seeded sample depends only on its seed, its index and its own history."""
 
     def __init__(self, cache_engine: CacheEngine, runner: ModelRunner, sampler: Sampler,
-                 device: torch.device) -> None:
+                 device: torch.device, token_masks: TokenMasks | None = None) -> None:
         self.cache_engine = cache_engine
         self.runner = runner
         self.sampler = sampler
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
+        # structured outputs' grammar state, per live sequence (see worker/grammar.py)
+        self.token_masks = token_masks or TokenMasks(None, sampler.vocab_size)
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for seq_id in plan.finished_seq_ids:
             self.generators.pop(seq_id, None)
+            self.token_masks.drop(seq_id)
         self._apply_cache_ops(plan)
         output = ModelRunnerOutput()
         if plan.is_empty:
@@ -79,7 +83,8 @@ class Worker:
             prompts.append(item.token_ids[:item.num_prompt_tokens] if history else ())
             outputs.append(item.token_ids[item.num_prompt_tokens:] if history else ())
             generators.append(self._generator(item, index) if p.seed is not None else None)
-        return SamplingMetadata(params, prompts, outputs, generators)
+        return SamplingMetadata(params, prompts, outputs, generators,
+                                self.token_masks.build(rows, self.device))
 
     def _generator(self, item: ScheduledSequence, index: int) -> torch.Generator | None:
         seed = item.params.seed
