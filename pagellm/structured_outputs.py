@@ -85,8 +85,8 @@ class StructuredOutputsParams:
         """(kind, text): the canonical form, also the compiler's cache key."""
         kind = self.kind
         if kind == "json":
-            text = self.json if isinstance(self.json, str) else jsonlib.dumps(
-                self.json, sort_keys=True)
+            # key order kept: it is the order in which properties are generated
+            text = self.json if isinstance(self.json, str) else jsonlib.dumps(self.json)
         elif kind == "choice":
             text = jsonlib.dumps(self.choice)
         elif kind == "json_object":

@@ -78,12 +78,34 @@ class ServerContext:
         return f"{tenant}\x00{req.cache_salt or ''}"
 
 
+async def request_constraint(ctx: ServerContext, req: SamplingRequest
+                             ) -> StructuredOutputsParams | None:
+    """The request's structured-outputs constraint, compiled (and cached) on the tokenizer
+    thread, so that a bad schema is a 400 naming the field it came from and a slow grammar
+    does not stall the event loop."""
+    field, params = structured_outputs_of(req)
+    if params is not None:
+        await compile_constraint(ctx, params, field)
+    return params
+
+
+async def compile_constraint(ctx: ServerContext, params: StructuredOutputsParams,
+                             field: str) -> None:
+    compiler = getattr(getattr(ctx.engine, "engine", None), "grammar_compiler", None)
+    if compiler is None:
+        return
+    try:
+        await ctx.tokenization.run(compiler.compile, params)
+    except ValueError as exc:
+        raise APIError(str(exc), 400, field) from exc
+
+
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None,
                     structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams from the request fields; a bad value is a 400 naming the field. A
     stream asks the engine for DELTA outputs, a plain response for the FINAL_ONLY one.
-    ``structured``: a constraint the handler chose (a forced tool call), else the request's."""
+    ``structured``: the constraint (``request_constraint``, or a forced tool call's)."""
     if req.logit_bias:
         raise APIError("logit_bias is not supported", 400, "logit_bias")
     if req.use_beam_search:
@@ -96,9 +118,9 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise APIError("stream_options is only allowed when stream is true", 400,
                        "stream_options")
     if req.prompt_logprobs is not None:
-        prompt_logprobs = req.prompt_logprobs
+        prompt_logprobs = max(prompt_logprobs or 0, req.prompt_logprobs)
     values = dict(
-        structured_outputs=structured or structured_outputs_of(req),
+        structured_outputs=structured,
         bad_words=req.bad_words, allowed_token_ids=req.allowed_token_ids,
         n=req.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
@@ -117,9 +139,11 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         raise api_error_from_exception(exc) from exc
 
 
-def structured_outputs_of(req: SamplingRequest) -> StructuredOutputsParams | None:
-    """The request's constraint: OpenAI's ``response_format``, vLLM's ``structured_outputs``
-    or one of the older ``guided_*`` fields; more than one is a 400 naming the second."""
+def structured_outputs_of(req: SamplingRequest
+                          ) -> tuple[str | None, StructuredOutputsParams | None]:
+    """(field, constraint) of the request: OpenAI's ``response_format``, vLLM's
+    ``structured_outputs`` or one of the older ``guided_*`` fields; more than one is a 400
+    naming the second."""
     found: list[tuple[str, dict]] = []
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -137,13 +161,13 @@ def structured_outputs_of(req: SamplingRequest) -> StructuredOutputsParams | Non
         if value is not None:
             found.append((f"guided_{name}", {name: value}))
     if not found:
-        return None
+        return None, None
     if len(found) > 1:
         raise APIError(f"{found[1][0]} cannot be combined with {found[0][0]}: give one "
                        "constraint", 400, found[1][0])
     field, spec = found[0]
     try:
-        return StructuredOutputsParams(**spec)
+        return field, StructuredOutputsParams(**spec)
     except ValueError as exc:
         raise APIError(str(exc), 400, field) from exc
 

@@ -26,7 +26,9 @@ from pagellm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk
                                                  DeltaMessage, TopLogprob, random_id)
 from pagellm.entrypoints.openai.serving import (LOGPROB_FLOOR, DeltaTracker, EventStreamResponse,
                                                 ServerContext, add_requests, check_outputs,
-                                                collect, prompt_logprobs_of, sampling_params,
+                                                collect, compile_constraint,
+                                                prompt_logprobs_of, request_constraint,
+                                                sampling_params,
                                                 sse_events, truncate_prompt, usage_of)
 from pagellm.entrypoints.openai.tool_calls import (ReasoningStreamer, ToolCallStreamer,
                                                    extract_calls, forced_call_grammar,
@@ -190,13 +192,14 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    structured = None
+    structured = await request_constraint(ctx, req)
     if tools.forced:
         if any(getattr(req, f) is not None for f in ("response_format", "structured_outputs")):
             raise APIError("a forced tool call cannot be combined with response_format or "
                            "structured_outputs", 400, "tool_choice")
         named = tools.mode[6:] if tools.mode.startswith("named:") else None
         structured = forced_call_grammar(req.tools, named, req.parallel_tool_calls)
+        await compile_constraint(ctx, structured, "tools")
     params = sampling_params(req, max_tokens, logprobs, structured=structured)
     request_id = random_id("chatcmpl")
     stream = await add_requests(ctx, [NewRequest(request_id, {"prompt_token_ids": ids}, params,

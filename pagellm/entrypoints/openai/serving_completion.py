@@ -19,7 +19,8 @@ from pagellm.entrypoints.openai.protocol import (CompletionChoice, CompletionLog
                                                  random_id)
 from pagellm.entrypoints.openai.serving import (LOGPROB_FLOOR, DeltaTracker, EventStreamResponse,
                                                 ServerContext, add_requests, check_outputs,
-                                                collect, prompt_logprobs_of, sampling_params,
+                                                collect, prompt_logprobs_of,
+                                                request_constraint, sampling_params,
                                                 sse_events, truncate_prompt, usage_of)
 from pagellm.outputs import LogprobsDict, RequestOutput
 
@@ -37,7 +38,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     if req.truncate_prompt_tokens is not None:  # echo shows the prompt the model saw
         prompts = [(await ctx.tokenization.decode(ids, "prompt"), ids) for _, ids in prompts]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs,
+                             await request_constraint(ctx, req))
     base_id = random_id("cmpl")
     salt = ctx.cache_salt(req, raw)
     requests = [NewRequest(f"{base_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params,

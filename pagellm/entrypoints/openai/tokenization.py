@@ -45,6 +45,10 @@ class TokenizerWorker:
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def run(self, fn, *args):
+        """Run other slow text work (compiling a grammar) on this thread."""
+        return await self._run(fn, *args)
+
     def check_text(self, text: str, param: str, length_limited: bool = True) -> None:
         """400 for text that is not valid Unicode or could never fit the context."""
         if length_limited and len(text) > self.max_prompt_chars:
