@@ -125,8 +125,8 @@ def _held_back(text: str, mode: str) -> int:
             if _HERMES_OPEN.startswith(text[-n:]):
                 return n
         return 0
-    if mode == "llama3_json" and not text.strip():
-        return len(text)  # leading whitespace: the call may follow
+    if mode == "llama3_json" and _PYTHON_TAG.startswith(text.strip()):
+        return len(text)  # leading whitespace or part of the tag: the call may follow
     return 0
 
 
