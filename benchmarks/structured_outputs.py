@@ -4,12 +4,14 @@
     python benchmarks/structured_outputs.py --model PATH --batch-size 32 --max-tokens 64
 
 One batch of ``--batch-size`` chat prompts, run three times in one process: with 0%, 50% and
-100% of the requests under a JSON schema (``response_format`` json_schema). The schema holds
-one free string, so constrained requests write as long as unconstrained ones; every request
-samples at temperature 1 with a seed. Reported per run: wall time, output tokens, output
-tokens/s, engine steps and the mean step time, and the time spent building token masks
-(llguidance's mask computation plus unpacking) per step. A warm-up run compiles the schema
-first, so the figures are the per-step cost, not the one-off compilation.
+100% of the requests under a JSON schema (``response_format`` json_schema). The schema asks
+for at least 50 lines, more than ``--max-tokens`` can hold, and unconstrained requests ignore
+EOS, so every request generates exactly ``--max-tokens`` tokens and every run has the same
+batch at every step: the runs differ only by the cost of the constraint. Every request samples
+at temperature 1 with a seed. Reported per run: wall time, output tokens/s, engine steps, the
+mean step time, and the time spent building token masks (llguidance's mask computation plus
+unpacking) per step. A warm-up run compiles the schema first, so the figures are the per-step
+cost, not the one-off compilation (under a millisecond).
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from pagellm.structured_outputs import StructuredOutputsParams
 SCHEMA = {"type": "object",
           "properties": {"title": {"type": "string", "maxLength": 40},
                          "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
-                         "story": {"type": "string"}},
-          "required": ["title", "year", "story"], "additionalProperties": False}
+                         "lines": {"type": "array", "minItems": 50,
+                                   "items": {"type": "string", "maxLength": 30}}},
+          "required": ["title", "year", "lines"], "additionalProperties": False}
 TOPICS = ["a cat", "the sea", "a robot", "paged memory", "a city at night", "a lost key",
           "winter", "a train"]
 
@@ -43,6 +46,7 @@ def smollm2_gguf() -> str:
 def run(llm: LLM, prompts: list[str], fraction: float, max_tokens: int) -> dict:
     num_constrained = round(len(prompts) * fraction)
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens,
+                             ignore_eos=i >= num_constrained,
                              structured_outputs=(StructuredOutputsParams(json=SCHEMA)
                                                  if i < num_constrained else None))
               for i in range(len(prompts))]
@@ -64,19 +68,11 @@ def run(llm: LLM, prompts: list[str], fraction: float, max_tokens: int) -> dict:
     wall = time.perf_counter() - start
     masks.build = build
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    valid = 0
-    for o in outputs[:num_constrained]:
-        try:
-            json.loads(o.outputs[0].text)
-            valid += 1
-        except ValueError:
-            pass
     return {"json_schema_fraction": fraction, "constrained_requests": num_constrained,
             "wall_s": round(wall, 3), "output_tokens": tokens,
             "output_tok_per_s": round(tokens / wall, 1), "steps": timing["steps"],
             "mean_step_ms": round(1e3 * wall / max(timing["steps"], 1), 2),
-            "mask_ms_per_step": round(1e3 * timing["seconds"] / max(timing["steps"], 1), 3),
-            "constrained_outputs_parsed": valid}
+            "mask_ms_per_step": round(1e3 * timing["seconds"] / max(timing["steps"], 1), 3)}
 
 
 def main() -> None:
@@ -92,7 +88,7 @@ def main() -> None:
     model = args.model or smollm2_gguf()
     llm = LLM(model, dtype=args.dtype, max_model_len=512, max_num_seqs=args.batch_size,
               kv_cache_memory_bytes=1 << 30, swap_space=0.1)
-    prompts = [f"Write a JSON object with a title, a year and a short story about "
+    prompts = [f"Write a JSON object with a title, a year and the lines of a poem about "
                f"{TOPICS[i % len(TOPICS)]}." for i in range(args.batch_size)]
     run(llm, prompts[:2], 1.0, 8)  # warm-up: compiles the schema, builds the token index
     results = [run(llm, prompts, f, args.max_tokens) for f in (0.0, 0.5, 1.0)]

@@ -75,6 +75,19 @@ def _arguments(text: str):
         return text
 
 
+def _calls_as_text(message: dict) -> dict:
+    """For a template that ignores ``tool_calls``: the calls written into the content, in the
+    Hermes format the tools system prompt asks for."""
+    calls = message.pop("tool_calls", None)
+    if not calls:
+        return message
+    text = "".join("<tool_call>\n" + json.dumps(
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+        ensure_ascii=False) + "\n</tool_call>" for c in calls)
+    message["content"] = (message.get("content") or "") + text
+    return message
+
+
 def _tools_system_prompt(tools: list[dict]) -> str:
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return ("You may call one or more functions to answer. The functions:\n<tools>\n"
@@ -100,6 +113,9 @@ async def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage],
     if template is None and not ctx.tokenization.has_chat_template():
         raise APIError("the model's tokenizer has no chat template: use /v1/completions", 400)
     conversation = [_message_dict(m) for m in messages]
+    source = template if template is not None else ctx.tokenization.template_source()
+    if "tool_calls" not in source:
+        conversation = [_calls_as_text(m) for m in conversation]
     options: dict = {"chat_template": template}
     if req is not None:
         options.update(_template_options(ctx, req, conversation, template))
