@@ -83,6 +83,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs per fraction, in alternating order (0, .5, 1, 1, .5, 0...); "
+                             "the fastest of each is reported, the least disturbed by other "
+                             "work on the machine")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = args.model or smollm2_gguf()
@@ -91,9 +95,17 @@ def main() -> None:
     prompts = [f"Write a JSON object with a title, a year and the lines of a poem about "
                f"{TOPICS[i % len(TOPICS)]}." for i in range(args.batch_size)]
     run(llm, prompts[:2], 1.0, 8)  # warm-up: compiles the schema, builds the token index
-    results = [run(llm, prompts, f, args.max_tokens) for f in (0.0, 0.5, 1.0)]
+    fractions = (0.0, 0.5, 1.0)
+    best: dict[float, dict] = {}
+    for r in range(args.repeats):
+        for f in (fractions if r % 2 == 0 else fractions[::-1]):
+            result = run(llm, prompts, f, args.max_tokens)
+            if f not in best or result["wall_s"] < best[f]["wall_s"]:
+                best[f] = result
+    results = [best[f] for f in fractions]
     print(json.dumps({"model": Path(model).name, "dtype": args.dtype, "threads": args.threads,
                       "cpu": cpu_model(), "batch_size": args.batch_size,
+                      "repeats": args.repeats,
                       "max_tokens": args.max_tokens, "runs": results}, indent=1))
 
 

@@ -89,7 +89,9 @@ class TokenMasks:
             state = _MatcherState(self.compiler.new_matcher(item.params.structured_outputs), 0)
             self.states[sample_id] = state
         new = list(outputs[state.num_output_tokens:])
-        if new and not state.matcher.is_error():
+        # a stopped matcher (its grammar complete, or in error) takes nothing more; with
+        # ignore_eos a sequence may go on sampling the EOS its mask allows
+        if new and not state.matcher.is_stopped():
             if not state.matcher.consume_tokens(new):
                 # Only a token the mask forbade gets here (e.g. min_tokens banned the EOS the
                 # grammar demanded, and the sampler fell back to the raw logits).
