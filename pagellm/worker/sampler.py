@@ -50,9 +50,10 @@ class SamplingMetadata:
     prompt_token_ids: list[Sequence[int]]
     output_token_ids: list[Sequence[int]]
     generators: list[torch.Generator | None]
-    # (row indices [k], allowed tokens [k, vocab] bool) of the rows whose choice is restricted
-    # (structured outputs, allowed_token_ids, bad_words; see worker/grammar.py), or None
-    allowed: tuple[Tensor, Tensor] | None = None
+    # (row indices [k], bias [k, vocab]: 0 for allowed tokens, -inf for the others) of the
+    # rows whose choice is restricted (structured outputs, allowed_token_ids, bad_words; see
+    # worker/grammar.py), or None
+    token_bias: tuple[Tensor, Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -118,12 +119,12 @@ class Sampler:
         processed copy."""
         banned_rows, banned_tokens = self._min_tokens_bans(meta)
         penalised = [i for i, p in enumerate(meta.params) if has_penalties(p)]
-        if not banned_rows and not penalised and meta.allowed is None:
+        if not banned_rows and not penalised and meta.token_bias is None:
             return logits
         logits = logits.clone()
-        if meta.allowed is not None:
-            rows, allowed = meta.allowed  # [k], [k, vocab]
-            logits[rows] = logits[rows].masked_fill(~allowed, -math.inf)
+        if meta.token_bias is not None:
+            rows, bias = meta.token_bias  # [k], [k, vocab]
+            logits.index_add_(0, rows, bias)
         if banned_rows:
             logits[banned_rows, banned_tokens] = -math.inf
         if penalised:

@@ -16,7 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.bench.random_model import build_random_model  # noqa: E402
 from pagellm.structured_outputs import StructuredOutputsParams  # noqa: E402
-from pagellm.worker.grammar import unpack_bitmask  # noqa: E402
+from pagellm.worker.grammar import bitmask_to_bias, unpack_bitmask  # noqa: E402
 
 KWARGS = dict(dtype="float32", max_model_len=512, num_gpu_blocks_override=256, swap_space=0.05)
 SCHEMA = {"type": "object",
@@ -141,9 +141,11 @@ def test_allowed_token_ids_and_bad_words(llm):
         llm.generate(["x"], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
 
 
-def test_unpack_bitmask_matches_bit_loop():
+def test_bitmask_to_bias_matches_the_bit_loop():
     words = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32)
-    got = unpack_bitmask(words, 100)
     expected = torch.tensor([[(int(words[r, t // 32]) >> (t % 32)) & 1 == 1 for t in range(100)]
                              for r in range(3)])
-    assert torch.equal(got, expected)
+    assert torch.equal(unpack_bitmask(words, 100), expected)
+    bias = bitmask_to_bias(words, 100)
+    assert bias.shape == (3, 100)
+    assert torch.equal(bias == 0, expected) and torch.isneginf(bias[~expected]).all()
