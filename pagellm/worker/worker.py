@@ -1,7 +1,8 @@
 """Worker: executes one step's plan on the device and answers with what it computed.
 
 It owns the KV cache tensors (CacheEngine), the model runner and the sampler, and the only
-per-sequence state of the model side: the random generators of seeded requests. It reads the
+per-sequence state of the model side: the random generators of seeded requests and the
+grammar matchers of structured outputs (``TokenMasks``). It reads the
 ``SchedulerOutput`` and nothing else of the scheduler (with tensor parallelism each rank would
 run one on the broadcast plan), and returns a ``ModelRunnerOutput`` keyed by sequence id: all
 the torch work (logits, log-softmax, top-k, sampling) happens here, none in pagellm.core.
