@@ -131,6 +131,9 @@ def test_unknown_completion_field_and_request_template_need_flags(server):
     r = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", "suffixx": "y"},
              API_KEY)
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffixx"
+    r = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", "stream": True,
+                                         "prompt_logprobs": 1}, API_KEY)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
     body = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 4}
     r = post(server, "/v1/chat/completions", {**body, "chat_template": "{{ 'x' }}"}, API_KEY)
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"

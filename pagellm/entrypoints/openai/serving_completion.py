@@ -34,6 +34,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                        400, "best_of")
     if req.echo and req.logprobs is not None and req.stream:
         raise APIError("echo with logprobs is not supported when streaming", 400, "echo")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("prompt_logprobs is not supported when streaming", 400,
+                       "prompt_logprobs")
     prompts = [(text, truncate_prompt(req, ids)) for text, ids in await _prompts(ctx, req.prompt)]
     if req.truncate_prompt_tokens is not None:  # echo shows the prompt the model saw
         prompts = [(await ctx.tokenization.decode(ids, "prompt"), ids) for _, ids in prompts]
