@@ -210,9 +210,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     structured = await request_constraint(ctx, req)
     if tools.forced:
-        if any(getattr(req, f) is not None for f in ("response_format", "structured_outputs")):
-            raise APIError("a forced tool call cannot be combined with response_format or "
-                           "structured_outputs", 400, "tool_choice")
+        if structured is not None:
+            raise APIError("a forced tool call cannot be combined with response_format, "
+                           "structured_outputs or guided_*", 400, "tool_choice")
         named = tools.mode[6:] if tools.mode.startswith("named:") else None
         structured = forced_call_grammar(req.tools, named, req.parallel_tool_calls)
         await compile_constraint(ctx, structured, "tools")
