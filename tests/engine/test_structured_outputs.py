@@ -149,3 +149,18 @@ def test_bitmask_to_bias_matches_the_bit_loop():
     bias = bitmask_to_bias(words, 100)
     assert bias.shape == (3, 100)
     assert torch.equal(bias == 0, expected) and torch.isneginf(bias[~expected]).all()
+
+
+def test_offline_chat_passes_tools_and_template_controls(llm):
+    template = ("{% if tools %}T{{ tools | length }}{% endif %}{% if shout %}X{% endif %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}>{% endif %}")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1),
+                   use_tqdm=False, chat_template=template, tools=tools,
+                   chat_template_kwargs={"shout": True})
+    assert llm.get_tokenizer().decode(out[0].prompt_token_ids) == "T1Xhi>"
+    out = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+                   SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                   continue_final_message=True)
+    assert llm.get_tokenizer().decode(out[0].prompt_token_ids) == "hiok"
