@@ -65,11 +65,11 @@ def test_unconstrained_rows_unaffected_by_constrained_neighbours(llm):
         jsonschema.validate(json.loads(mixed[i].outputs[0].text), SCHEMA)
 
 
-def test_grammar_state_survives_preemption_by_recompute(model):
+def test_grammar_state_survives_preemption_by_recompute(model, llm):
     prompts = [f"prompt number {i} about paged attention" for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=_json())
-    roomy = LLM(str(model), **KWARGS).generate(prompts, params, use_tqdm=False)
-    tight_kwargs = {**KWARGS, "num_gpu_blocks_override": 12, "block_size": 16,
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=_json())
+    roomy = llm.generate(prompts, params, use_tqdm=False)
+    tight_kwargs = {**KWARGS, "num_gpu_blocks_override": 10, "block_size": 16,
                     "max_model_len": 128}
     tight = LLM(str(model), preemption_mode="recompute", **tight_kwargs)
     out = tight.generate(prompts, params, use_tqdm=False)
