@@ -43,6 +43,9 @@ MAX_STOP_TOKEN_IDS = 1024
 # allowed_token_ids builds a [vocab] mask per step; bad_words are matched per step.
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
 MAX_BAD_WORDS = 128
+# OpenAI's limits on logit_bias: values in [-100, 100]; at most 300 tokens (we allow more)
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -98,6 +101,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
     # bad_words as token id sequences, filled in by the engine from its tokenizer
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False,
                                                         compare=False)
@@ -162,6 +166,7 @@ class SamplingParams:
         _check_stop_types(self.stop, self.stop_token_ids)
         _check_restriction_types(self.structured_outputs, self.allowed_token_ids,
                                  self.bad_words)
+        _check_logit_bias(self.logit_bias)
 
     def _normalise(self) -> None:
         # numpy scalars pass the type checks; store plain Python numbers.
@@ -185,6 +190,8 @@ class SamplingParams:
             self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
 
     def _check_ranges(self) -> None:
         _require("n", self.n, self.n >= 1, "must be at least 1")
@@ -301,6 +308,22 @@ def _check_restriction_types(structured: Any, allowed: Any, bad_words: Any) -> N
         if not isinstance(bad_words, (list, tuple)) or not all(isinstance(w, str)
                                                                for w in bad_words):
             raise ValueError(f"bad_words must be a list of str, got {bad_words!r}")
+
+
+def _check_logit_bias(logit_bias: Any) -> None:
+    if logit_bias is None:
+        return
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {logit_bias!r}")
+    _require("logit_bias", f"a dict of {len(logit_bias)} tokens",
+             len(logit_bias) <= MAX_LOGIT_BIAS_TOKENS,
+             f"must hold at most {MAX_LOGIT_BIAS_TOKENS} tokens (MAX_LOGIT_BIAS_TOKENS)")
+    for token, bias in logit_bias.items():
+        _require_int("logit_bias", token)
+        _require("logit_bias", token, token >= 0, "must have non-negative token ids")
+        _require_real("logit_bias", bias)
+        _require("logit_bias", bias, -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                 f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
 
 def _check_stop_sizes(stop: list[str], stop_token_ids: list[int]) -> None:

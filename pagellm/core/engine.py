@@ -150,9 +150,10 @@ class LLMEngine:
                 raise ValueError(
                     f"min_tokens={params.min_tokens} bans every one of the {vocab} tokens of the "
                     "vocabulary (stop_token_ids and EOS): nothing could be sampled")
-        bad = next((t for t in params.allowed_token_ids or () if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"allowed_token_ids holds {bad}, out of range [0, {vocab})")
+        for name in ("allowed_token_ids", "logit_bias"):
+            bad = next((t for t in getattr(params, name) or () if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} holds token {bad}, out of range [0, {vocab})")
         if params.structured_outputs is not None:
             self.grammar_compiler.compile(params.structured_outputs)  # ValueError if invalid
 

@@ -1,4 +1,5 @@
-"""Token masks for one step's sampled rows: structured outputs, allowed_token_ids, bad_words.
+"""Token masks for one step's sampled rows: structured outputs, allowed_token_ids, bad_words,
+and OpenAI's logit_bias (the same additive bias, with finite values).
 
 A constrained row gets an additive bias ``[vocab]``: 0 for the tokens it may sample, -inf for
 the others, which the sampler adds to its logits (``SamplingMetadata.token_bias``). Rows
@@ -47,7 +48,7 @@ class _MatcherState:
 
 def needs_mask(p: SamplingParams) -> bool:
     return (p.structured_outputs is not None or p.allowed_token_ids is not None
-            or bool(p.bad_words_token_ids))
+            or bool(p.bad_words_token_ids) or bool(p.logit_bias))
 
 
 class TokenMasks:
@@ -92,6 +93,9 @@ class TokenMasks:
             if p.bad_words_token_ids:
                 banned = _banned_bad_words(p.bad_words_token_ids, _outputs(item))
                 bias[j, [t for t in banned if t < self.vocab_size]] = -math.inf
+            if p.logit_bias:
+                tokens = [t for t in p.logit_bias if t < self.vocab_size]
+                bias[j, tokens] += torch.tensor([p.logit_bias[t] for t in tokens])
         return torch.tensor(constrained, dtype=torch.long, device=device), bias.to(device)
 
     def _synced_matcher(self, item: ScheduledSequence, index: int):

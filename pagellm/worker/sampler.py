@@ -3,9 +3,9 @@
 One ``Sampler`` call handles every row of the step's logits at once, whatever mix of requests
 they belong to. The order of operations is vLLM's:
 
-0. Token masks: a row restricted to some tokens (structured outputs, allowed_token_ids,
-   bad_words) gets -inf for every other token, before anything else, so that penalties and
-   top-k/top-p choose among the allowed tokens only.
+0. Token bias: a row restricted to some tokens (structured outputs, allowed_token_ids,
+   bad_words) gets -inf for every other token, and logit_bias adds its values, before anything
+   else, so that penalties and top-k/top-p choose among the allowed tokens only.
 1. min_tokens: while a row has generated fewer than ``min_tokens`` tokens, EOS (unless
    ``ignore_eos``) and its ``stop_token_ids`` get -inf, so it cannot stop early.
 2. Penalties: repetition over prompt and output tokens, presence and frequency over output tokens.

@@ -106,8 +106,6 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     """SamplingParams from the request fields; a bad value is a 400 naming the field. A
     stream asks the engine for DELTA outputs, a plain response for the FINAL_ONLY one.
     ``structured``: the constraint (``request_constraint``, or a forced tool call's)."""
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported", 400, "logit_bias")
     if req.use_beam_search:
         raise APIError("use_beam_search is not supported: pagellm has no beam search", 400,
                        "use_beam_search")
@@ -122,6 +120,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
     values = dict(
         structured_outputs=structured,
         bad_words=req.bad_words, allowed_token_ids=req.allowed_token_ids,
+        logit_bias=_logit_bias(req.logit_bias),
         n=req.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
@@ -137,6 +136,20 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         return SamplingParams(**values)
     except ValueError as exc:
         raise api_error_from_exception(exc) from exc
+
+
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not logit_bias:
+        return None
+    out = {}
+    for token, bias in logit_bias.items():
+        try:
+            out[int(token)] = bias
+        except ValueError:
+            raise APIError(f"logit_bias keys must be token ids, got {token!r}", 400,
+                           "logit_bias") from None
+    return out
 
 
 def structured_outputs_of(req: SamplingRequest
