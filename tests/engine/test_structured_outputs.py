@@ -164,3 +164,22 @@ def test_offline_chat_passes_tools_and_template_controls(llm):
                    SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
                    continue_final_message=True)
     assert llm.get_tokenizer().decode(out[0].prompt_token_ids) == "hiok"
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(logit_bias={5: 101.0}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(allowed_token_ids=[]),
+                                                          "allowed_token_ids"),
+    (dict(allowed_token_ids=[-3]), "allowed_token_ids"), (dict(bad_words=[""]), "bad_words"),
+    (dict(structured_outputs={"regex": "a"}), "structured_outputs"),
+])
+def test_restriction_values_checked(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_steers_sampling(llm):
+    (a,) = llm.get_tokenizer().encode("a", add_special_tokens=False)
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=8, ignore_eos=True,
+                            logit_bias={a: 100.0})
+    assert llm.generate(["x"], params, use_tqdm=False)[0].outputs[0].token_ids == [a] * 8
