@@ -68,15 +68,24 @@ def test_named_call_streams_everything_as_arguments():
     assert content == "" and calls == [("get_time", '{"zone": 5}')]
 
 
+@pytest.mark.parametrize("parser", ["think", "deepseek_r1"])
 @pytest.mark.parametrize("text", ["<think>step one\nstep two</think>\nThe answer",
-                                  "No thinking here", "<think>unfinished thought"])
-def test_reasoning_streamed_equals_split(text):
-    expected = split_reasoning(text)
+                                  "No thinking here", "<think>unfinished thought",
+                                  "opened by the template</think>answer", "<thi"])
+def test_reasoning_streamed_equals_split(text, parser):
+    expected = split_reasoning(text, parser)
     for size in (1, 2, 5, len(text)):
-        streamer, reasoning, content = ReasoningStreamer(), "", ""
+        streamer, reasoning, content = ReasoningStreamer(parser), "", ""
         pieces = [text[i:i + size] for i in range(0, len(text), size)]
         for i, piece in enumerate(pieces):
             r, c = streamer.feed(piece, i == len(pieces) - 1)
             reasoning += r or ""
             content += c
         assert (reasoning if expected[0] is not None else None, content) == expected, size
+
+
+def test_reasoning_parsers_differ_on_an_answer_without_the_opening_tag():
+    text = "hmm</think>Paris"
+    assert split_reasoning(text, "think") == (None, text)
+    assert split_reasoning(text, "deepseek_r1") == ("hmm", "Paris")
+    assert split_reasoning("<think>a</think>b", "think") == ("a", "b")

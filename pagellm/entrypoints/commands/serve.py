@@ -88,8 +88,9 @@ def _add_chat_flags(p) -> None:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="how tool calls are written in the model's answers")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                   help="move an answer's leading <think>...</think> into "
-                        "message.reasoning_content")
+                   help="move an answer's reasoning into message.reasoning_content: "
+                        "'think': a leading <think>...</think>; 'deepseek_r1': everything "
+                        "up to </think> (the template opened <think>)")
     p.add_argument("--allowed-origins", nargs="+", default=None,
                    help="origins allowed by CORS (e.g. http://localhost:3000, or *); "
                         "default: no CORS headers")

@@ -242,7 +242,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
 def _message(ctx: ServerContext, c: CompletionOutput, tools: ToolMode) -> ChatResponseMessage:
     reasoning, text = None, c.text
     if ctx.chat is not None and ctx.chat.reasoning_parser:
-        reasoning, text = split_reasoning(text)
+        reasoning, text = split_reasoning(text, ctx.chat.reasoning_parser)
     if tools.mode is None or c.finish_reason == "length":
         return ChatResponseMessage(content=text, reasoning_content=reasoning)
     content, calls = extract_calls(text, tools.mode)
@@ -338,8 +338,8 @@ def _stream_choices(ctx: ServerContext, req: ChatCompletionRequest, tracker: Del
         return []
     splitter = splitters.get(c.index)
     if splitter is None:
-        reasoning = ReasoningStreamer() if ctx.chat is not None and ctx.chat.reasoning_parser \
-            else None
+        reasoning = (ReasoningStreamer(ctx.chat.reasoning_parser)
+                     if ctx.chat is not None and ctx.chat.reasoning_parser else None)
         splitter = splitters[c.index] = _ChoiceSplitter(
             reasoning, ToolCallStreamer(tools.mode) if tools.mode else None)
     delta = splitter.feed(d.text, d.finish_reason is not None)

@@ -204,17 +204,24 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-REASONING_PARSERS = ("think",)
+# "think": the answer starts with <think> (Qwen3, QwQ); "deepseek_r1": the chat template
+# already opened <think>, so the answer is reasoning until </think> (DeepSeek-R1)
+REASONING_PARSERS = ("think", "deepseek_r1")
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """``--reasoning-parser think``: (reasoning, content) of a text that starts with
-    ``<think>``; the reasoning runs to ``</think>`` (or to the end while unfinished)."""
+def split_reasoning(text: str, parser: str = "think") -> tuple[str | None, str]:
+    """(reasoning, content) of an answer: the reasoning runs from ``<think>`` (``think``: it
+    must open the answer; ``deepseek_r1``: optional) to ``</think>``, or to the end while
+    unfinished; reasoning None when the answer has none."""
     stripped = text.lstrip()
-    if not stripped.startswith(_THINK_OPEN):
+    if stripped.startswith(_THINK_OPEN):
+        body = stripped[len(_THINK_OPEN):]
+    elif parser == "deepseek_r1":
+        body = text
+    else:
         return None, text
-    reasoning, sep, content = stripped[len(_THINK_OPEN):].partition(_THINK_CLOSE)
+    reasoning, sep, content = body.partition(_THINK_CLOSE)
     return reasoning, content if sep else ""
 
 
@@ -223,6 +230,7 @@ class ReasoningStreamer:
     """The streamed form of ``split_reasoning``: feeds model text, returns (reasoning piece,
     content piece); holds back what may be the start of ``<think>`` or ``</think>``."""
 
+    parser: str = "think"
     text: str = ""
     reasoning_sent: int = 0
     content_sent: int = 0
@@ -233,11 +241,11 @@ class ReasoningStreamer:
         if not finished and len(stripped) < len(_THINK_OPEN) \
                 and _THINK_OPEN.startswith(stripped):
             return None, ""
-        reasoning, content = split_reasoning(self.text)
+        reasoning, content = split_reasoning(self.text, self.parser)
         if reasoning is None:
             new, self.content_sent = self.text[self.content_sent:], len(self.text)
             return None, new
-        if _THINK_CLOSE not in stripped and not finished:
+        if _THINK_CLOSE not in self.text and not finished:
             reasoning = reasoning[:len(reasoning) - _partial_suffix(reasoning, _THINK_CLOSE)]
         new_reasoning = reasoning[self.reasoning_sent:]
         self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
