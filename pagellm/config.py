@@ -14,6 +14,9 @@ CPU_KV_CACHE_RAM_SHARE = 0.10
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 MAX_LORA_RANK = 512
 _GiB = 1 << 30
+# vLLM's (and torch's) other spellings of the dtypes
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "fp32": "float32"}
 
 
 @dataclass(slots=True)
@@ -61,6 +64,7 @@ class EngineArgs:
         """Raise ValueError naming the first invalid field, its value and its limit."""
         _check(isinstance(self.model, str) and self.model.strip() != "", "model", self.model,
                "a local folder or a hub id")
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         _choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _int_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)

@@ -99,7 +99,9 @@ class EngineMetrics:
     metrics are thread-safe, and ``_last_token_time`` is only touched by that thread.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 vllm_names: bool = False) -> None:
+        self.vllm_names = vllm_names
         self.registry = registry or CollectorRegistry()
         self.collector = _StatsCollector(model_name)
         self.registry.register(self.collector)
@@ -147,8 +149,28 @@ class EngineMetrics:
                 break
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric; with ``vllm_names``, each one
+        also under vLLM's name (``vllm:`` prefix, an ``engine="0"`` label)."""
+        text = generate_latest(self.registry)
+        return text + vllm_copy(text) if self.vllm_names else text
+
+
+def vllm_copy(exposition: bytes) -> bytes:
+    """The ``pagellm:*`` series of a text exposition renamed ``vllm:*``, with vLLM's
+    ``engine`` label, so that dashboards built for vLLM read them."""
+    lines = []
+    for line in exposition.decode().splitlines():
+        if line.startswith(("# HELP pagellm:", "# TYPE pagellm:")):
+            lines.append(line.replace(" pagellm:", " vllm:", 1))
+        elif line.startswith("pagellm:"):
+            line = "vllm:" + line[len("pagellm:"):]
+            if "{" in line:
+                line = line.replace("{", '{engine="0",', 1)
+            else:
+                name, _, value = line.partition(" ")
+                line = f'{name}{{engine="0"}} {value}'
+            lines.append(line)
+    return ("\n".join(lines) + "\n").encode() if lines else b""
 
 
 class StatsLogger:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any
 
+from pagellm.structured_outputs import StructuredOutputsParams
+
 # Above this temperature a row is sampled; at or below it, it is decoded greedily. A tiny
 # positive temperature would otherwise divide the logits into overflow.
 SAMPLING_EPS = 1e-5
@@ -38,6 +40,12 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 # Each stop token id costs a ban per step while min_tokens is not reached.
 MAX_STOP_TOKEN_IDS = 1024
+# allowed_token_ids builds a [vocab] mask per step; bad_words are matched per step.
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
+MAX_BAD_WORDS = 128
+# OpenAI's limits on logit_bias: values in [-100, 100]; at most 300 tokens (we allow more)
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -90,6 +98,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
+    # bad_words as token id sequences, filled in by the engine from its tokenizer
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False,
+                                                        compare=False)
     user_set_fields: frozenset[str] = field(default=frozenset(), init=False, repr=False,
                                             compare=False)
 
@@ -124,6 +139,7 @@ class SamplingParams:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         updated = SamplingParams(**{**values, **missing})
         updated.user_set_fields = self.user_set_fields
+        updated.bad_words_token_ids = self.bad_words_token_ids
         return updated
 
     def clone(self) -> SamplingParams:
@@ -148,6 +164,9 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_stop_types(self.stop, self.stop_token_ids)
+        _check_restriction_types(self.structured_outputs, self.allowed_token_ids,
+                                 self.bad_words)
+        _check_logit_bias(self.logit_bias)
 
     def _normalise(self) -> None:
         # numpy scalars pass the type checks; store plain Python numbers.
@@ -167,6 +186,12 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or ()]
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
 
     def _check_ranges(self) -> None:
         _require("n", self.n, self.n >= 1, "must be at least 1")
@@ -207,6 +232,21 @@ class SamplingParams:
         _check_stop_sizes(self.stop, self.stop_token_ids)
         for t in self.stop_token_ids:
             _require("stop_token_ids", t, t >= 0, "must contain non-negative token ids")
+        if self.allowed_token_ids is not None:
+            _require("allowed_token_ids", self.allowed_token_ids, bool(self.allowed_token_ids),
+                     "must not be empty")
+            _require("allowed_token_ids", f"a list of {len(self.allowed_token_ids)} ids",
+                     len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+                     f"must hold at most {MAX_ALLOWED_TOKEN_IDS} ids (MAX_ALLOWED_TOKEN_IDS)")
+            _require("allowed_token_ids", self.allowed_token_ids[0],
+                     self.allowed_token_ids[0] >= 0, "must contain non-negative token ids")
+        if self.bad_words is not None:
+            _require("bad_words", f"a list of {len(self.bad_words)} words",
+                     len(self.bad_words) <= MAX_BAD_WORDS,
+                     f"must hold at most {MAX_BAD_WORDS} words (MAX_BAD_WORDS)")
+            for word in self.bad_words:
+                _require("bad_words", word, 0 < len(word) <= MAX_STOP_STRING_CHARS,
+                         f"must hold words of 1 to {MAX_STOP_STRING_CHARS} characters")
 
 
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
@@ -253,6 +293,37 @@ def _check_stop_types(stop: Any, stop_token_ids: Any) -> None:
             raise ValueError(f"stop_token_ids must be a list of int, got {stop_token_ids!r}")
         for t in stop_token_ids:
             _require_int("stop_token_ids", t)
+
+
+def _check_restriction_types(structured: Any, allowed: Any, bad_words: Any) -> None:
+    if structured is not None and not isinstance(structured, StructuredOutputsParams):
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                         f"{structured!r}")
+    if allowed is not None:
+        if not isinstance(allowed, (list, tuple)):
+            raise ValueError(f"allowed_token_ids must be a list of int, got {allowed!r}")
+        for t in allowed:
+            _require_int("allowed_token_ids", t)
+    if bad_words is not None:
+        if not isinstance(bad_words, (list, tuple)) or not all(isinstance(w, str)
+                                                               for w in bad_words):
+            raise ValueError(f"bad_words must be a list of str, got {bad_words!r}")
+
+
+def _check_logit_bias(logit_bias: Any) -> None:
+    if logit_bias is None:
+        return
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {logit_bias!r}")
+    _require("logit_bias", f"a dict of {len(logit_bias)} tokens",
+             len(logit_bias) <= MAX_LOGIT_BIAS_TOKENS,
+             f"must hold at most {MAX_LOGIT_BIAS_TOKENS} tokens (MAX_LOGIT_BIAS_TOKENS)")
+    for token, bias in logit_bias.items():
+        _require_int("logit_bias", token)
+        _require("logit_bias", token, token >= 0, "must have non-negative token ids")
+        _require_real("logit_bias", bias)
+        _require("logit_bias", bias, -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                 f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
 
 
 def _check_stop_sizes(stop: list[str], stop_token_ids: list[int]) -> None:

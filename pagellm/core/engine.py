@@ -73,6 +73,7 @@ class LLMEngine:
         self.num_cpu_blocks = c.num_cpu_blocks
         self.default_sampling = c.default_sampling
         self.worker = c.worker
+        self.grammar_compiler = c.grammar_compiler
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
@@ -113,6 +114,7 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(token_ids)
         self._validate_params(params)
+        params = self._resolve_bad_words(params)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
         extra_keys = (cache_salt,) if cache_salt else ()
         if lora_request is not None:
@@ -155,6 +157,27 @@ class LLMEngine:
                 raise ValueError(
                     f"min_tokens={params.min_tokens} bans every one of the {vocab} tokens of the "
                     "vocabulary (stop_token_ids and EOS): nothing could be sampled")
+        for name in ("allowed_token_ids", "logit_bias"):
+            bad = next((t for t in getattr(params, name) or () if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} holds token {bad}, out of range [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)  # ValueError if invalid
+
+    def _resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """A copy of ``params`` with ``bad_words`` as token ids (vLLM's rule: each word as
+        written and after a space, as the tokenizer splits it mid-sentence)."""
+        if not params.bad_words:
+            return params
+        params = params.clone()
+        words: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in words:
+                    words.append(ids)
+        params.bad_words_token_ids = words
+        return params
 
     def _resolve_max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
         room = self.max_model_len - num_prompt

@@ -66,15 +66,21 @@ class LLM:
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None,
+             chat_template: str | None = None, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
              ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate.
+        ``tools`` (OpenAI's function definitions), ``continue_final_message`` and
+        ``chat_template_kwargs`` go to the template, as in vLLM."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
-        prompts = [{"prompt_token_ids": list(_apply_template(tokenizer, conv,
-                                                             add_generation_prompt, chat_template))}
-                   for conv in conversations]
+        options = dict(chat_template=chat_template, tools=tools,
+                       continue_final_message=continue_final_message,
+                       **(chat_template_kwargs or {}))
+        prompts = [{"prompt_token_ids": list(_apply_template(
+            tokenizer, conv, add_generation_prompt and not continue_final_message, **options))}
+            for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 
@@ -110,13 +116,14 @@ def _final_only(params: SamplingParams | None) -> SamplingParams:
 
 
 def _apply_template(tokenizer, conversation: ChatMessages, add_generation_prompt: bool,
-                    chat_template: str | None) -> list[int]:
+                    chat_template: str | None, **options) -> list[int]:
     if not conversation:
         raise ValueError("messages is empty: a chat needs at least one message")
     if getattr(tokenizer, "chat_template", None) is None and chat_template is None:
         raise ValueError("the tokenizer has no chat template: pass chat_template=...")
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                        chat_template=chat_template, tokenize=True)
+                                        chat_template=chat_template, tokenize=True,
+                                        **{k: v for k, v in options.items() if v is not None})
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

@@ -24,7 +24,9 @@ from pagellm.lora.manager import LoRAManager
 from pagellm.model.generation_config import load_generation_defaults
 from pagellm.model.loader import (get_tokenizer, load_config, load_model, resolve_dtype,
                                   resolve_model_path)
+from pagellm.structured_outputs import GrammarCompiler
 from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.grammar import TokenMasks
 from pagellm.worker.model_runner import ModelRunner, ScheduledSeq
 from pagellm.worker.sampler import Sampler
 from pagellm.worker.worker import Worker
@@ -52,6 +54,8 @@ class EngineComponents:
     # config's (computed once: the sampler's min_tokens ban and the scheduler's stop check
     # must agree)
     eos_token_ids: frozenset[int]
+    # structured outputs: compiles a request's grammar once (engine) and per sequence (worker)
+    grammar_compiler: GrammarCompiler
 
 
 def resolve_device(name: str) -> torch.device:
@@ -117,10 +121,21 @@ def build_components(args: EngineArgs) -> EngineComponents:
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
         max_loras=args.max_loras if args.enable_lora else None), kv, eos_token_ids)
-    worker = Worker(cache_engine, runner, sampler, device, lora_manager)
+    grammar_compiler = GrammarCompiler(tokenizer, hf_config.vocab_size,
+                                       _grammar_eos(tokenizer, eos_token_ids))
+    worker = Worker(cache_engine, runner, sampler, device, lora_manager,
+                    TokenMasks(grammar_compiler, hf_config.vocab_size))
     return EngineComponents(device, hf_config, tokenizer, max_model_len, num_gpu_blocks,
                             num_cpu_blocks, kv, cache_engine, runner, sampler, scheduler, worker,
-                            generation.sampling, eos_token_ids)
+                            generation.sampling, eos_token_ids, grammar_compiler)
+
+
+def _grammar_eos(tokenizer: Any, eos_token_ids: frozenset[int]) -> int | None:
+    """The token a grammar ends with: the tokenizer's EOS, else the smallest engine EOS."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int) and eos in eos_token_ids:
+        return eos
+    return min(eos_token_ids) if eos_token_ids else None
 
 
 def _make_lora_manager(args: EngineArgs, model, runner: ModelRunner,

@@ -3,6 +3,9 @@
 One ``Sampler`` call handles every row of the step's logits at once, whatever mix of requests
 they belong to. The order of operations is vLLM's:
 
+0. Token bias: a row restricted to some tokens (structured outputs, allowed_token_ids,
+   bad_words) gets -inf for every other token, and logit_bias adds its values, before anything
+   else, so that penalties and top-k/top-p choose among the allowed tokens only.
 1. min_tokens: while a row has generated fewer than ``min_tokens`` tokens, EOS (unless
    ``ignore_eos``) and its ``stop_token_ids`` get -inf, so it cannot stop early.
 2. Penalties: repetition over prompt and output tokens, presence and frequency over output tokens.
@@ -47,6 +50,10 @@ class SamplingMetadata:
     prompt_token_ids: list[Sequence[int]]
     output_token_ids: list[Sequence[int]]
     generators: list[torch.Generator | None]
+    # (row indices [k], bias [k, vocab]: 0 for allowed tokens, -inf for the others) of the
+    # rows whose choice is restricted (structured outputs, allowed_token_ids, bad_words; see
+    # worker/grammar.py), or None
+    token_bias: tuple[Tensor, Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -108,12 +115,16 @@ class Sampler:
         return compute_logprobs(logits, token_ids, num_logprobs, ranks_are_one=raw_argmax)
 
     def _apply_min_tokens_and_penalties(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        """Returns ``logits`` itself when no row needs either, else a processed copy."""
+        """Returns ``logits`` itself when no row needs a mask, min_tokens or penalties, else a
+        processed copy."""
         banned_rows, banned_tokens = self._min_tokens_bans(meta)
         penalised = [i for i, p in enumerate(meta.params) if has_penalties(p)]
-        if not banned_rows and not penalised:
+        if not banned_rows and not penalised and meta.token_bias is None:
             return logits
         logits = logits.clone()
+        if meta.token_bias is not None:
+            rows, bias = meta.token_bias  # [k], [k, vocab]
+            logits.index_add_(0, rows, bias)
         if banned_rows:
             logits[banned_rows, banned_tokens] = -math.inf
         if penalised:

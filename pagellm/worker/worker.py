@@ -1,7 +1,8 @@
 """Worker: executes one step's plan on the device and answers with what it computed.
 
 It owns the KV cache tensors (CacheEngine), the model runner and the sampler, and the only
-per-sequence state of the model side: the random generators of seeded requests. It reads the
+per-sequence state of the model side: the random generators of seeded requests and the
+grammar matchers of structured outputs (``TokenMasks``). It reads the
 ``SchedulerOutput`` and nothing else of the scheduler (with tensor parallelism each rank would
 run one on the broadcast plan), and returns a ``ModelRunnerOutput`` keyed by sequence id: all
 the torch work (logits, log-softmax, top-k, sampling) happens here, none in pagellm.core.
@@ -14,6 +15,7 @@ from pagellm.core.plan import (ModelRunnerOutput, PromptLogprob, SampledToken,
                                ScheduledSequence, SchedulerOutput)
 from pagellm.lora.manager import LoRAManager
 from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.grammar import TokenMasks
 from pagellm.worker.model_runner import ModelRunner, logits_rows
 from pagellm.worker.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_logprobs,
                                     has_penalties)
@@ -25,17 +27,21 @@ class Worker:
     finished, so a seeded sample depends only on its seed, its index and its own history."""
 
     def __init__(self, cache_engine: CacheEngine, runner: ModelRunner, sampler: Sampler,
-                 device: torch.device, lora_manager: LoRAManager | None = None) -> None:
+                 device: torch.device, lora_manager: LoRAManager | None = None,
+                 token_masks: TokenMasks | None = None) -> None:
         self.cache_engine = cache_engine
         self.runner = runner
         self.sampler = sampler
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
         self.lora_manager = lora_manager  # the adapter slots, with enable_lora
+        # structured outputs' grammar state, per live sequence (see worker/grammar.py)
+        self.token_masks = token_masks or TokenMasks(None, sampler.vocab_size)
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for seq_id in plan.finished_seq_ids:
             self.generators.pop(seq_id, None)
+            self.token_masks.drop(seq_id)
         self._apply_cache_ops(plan)
         output = ModelRunnerOutput()
         if plan.is_empty:
@@ -90,7 +96,8 @@ class Worker:
             prompts.append(item.token_ids[:item.num_prompt_tokens] if history else ())
             outputs.append(item.token_ids[item.num_prompt_tokens:] if history else ())
             generators.append(self._generator(item, index) if p.seed is not None else None)
-        return SamplingMetadata(params, prompts, outputs, generators)
+        return SamplingMetadata(params, prompts, outputs, generators,
+                                self.token_masks.build(rows, self.device))
 
     def _generator(self, item: ScheduledSequence, index: int) -> torch.Generator | None:
         seed = item.params.seed

@@ -49,6 +49,10 @@ HELP = {
     "max_cpu_loras": "LoRA adapters kept loaded in CPU memory (default: max_loras)",
 }
 POSITIONAL = ("model",)
+# vLLM's short spellings
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",)}
+# token counts that accept vLLM's suffixes: 32k = 32,000, 32K = 32,768 (also m/M, g/G)
+HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens")
 
 
 def _flag(name: str) -> str:
@@ -84,9 +88,11 @@ def add_engine_flags(parser: argparse.ArgumentParser, overrides: dict[str, Any] 
             group.add_argument(_flag(f.name), dest=f.name, default=default,
                                action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parse = _parser_for(base, optional)
-            group.add_argument(_flag(f.name), dest=f.name, type=parse, default=default,
-                               metavar=base.__name__.upper(), help=help_text)
+            parse = (_human_readable_int if f.name in HUMAN_READABLE_INTS
+                     else _parser_for(base, optional))
+            group.add_argument(*SHORT_FLAGS.get(f.name, ()), _flag(f.name), dest=f.name,
+                               type=parse, default=default, metavar=base.__name__.upper(),
+                               help=help_text)
 
 
 def _parser_for(base: type, optional: bool):
@@ -100,6 +106,27 @@ def _parser_for(base: type, optional: bool):
 
     parse.__name__ = base.__name__  # argparse names the type in its error message
     return parse
+
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _human_readable_int(text: str) -> int | None:
+    """vLLM's token counts: an int, ``none``, or a number with a suffix (``32k``, ``1.5K``)."""
+    if text.lower() in ("none", "null"):
+        return None
+    multiplier = _SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if multiplier != 1 else text
+    try:
+        value = float(number) * multiplier if multiplier != 1 else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int such as 4096 or 32k, got {text!r}")
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
+_human_readable_int.__name__ = "int"
 
 
 def engine_args_from(namespace: argparse.Namespace, model: str | None = None) -> EngineArgs:

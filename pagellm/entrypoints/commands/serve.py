@@ -9,6 +9,9 @@ from pagellm.entrypoints.commands.engine_flags import add_engine_flags, engine_a
 from pagellm.entrypoints.openai.server_config import PREFIX_CACHE_ISOLATION, ServerConfig
 
 API_KEY_ENV = "PAGELLM_API_KEY"
+# vLLM's variable, honoured when PAGELLM_API_KEY is unset: a deployment that sets only it must
+# not run without authentication
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 
 
 def add_parser(subparsers) -> None:
@@ -25,7 +28,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--api-key", nargs="+", default=None,
                    help=f"demand 'Authorization: Bearer KEY' (any of the keys given) on every "
                         f"route but /health, /metrics and /stats included "
-                        f"(default: ${API_KEY_ENV} when set, else no key)")
+                        f"(default: ${API_KEY_ENV} when set, else ${VLLM_API_KEY_ENV}, else "
+                        f"no key)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use in requests; the first is reported in "
                         "responses (default: MODEL)")
@@ -40,6 +44,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between stats log lines (default: 10)")
     _add_limit_flags(p)
+    _add_chat_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=run)
 
@@ -83,6 +88,52 @@ def parse_lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(modules)
 
 
+def _add_chat_flags(p) -> None:
+    from pagellm.entrypoints.openai.tool_calls import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file used instead of the model's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests send their own chat_template (a Jinja program run by "
+                        "the server; refused with 400 otherwise)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice 'auto': the answer is parsed for tool calls with "
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="how tool calls are written in the model's answers")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="move an answer's reasoning into message.reasoning_content: "
+                        "'think': a leading <think>...</think>; 'deepseek_r1': everything "
+                        "up to </think> (the template opened <think>)")
+    p.add_argument("--allowed-origins", nargs="+", default=None,
+                   help="origins allowed by CORS (e.g. http://localhost:3000, or *); "
+                        "default: no CORS headers")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility: pagellm never runs a model's own "
+                        "code (its architectures are built in)")
+    p.add_argument("--vllm-metric-names", action="store_true",
+                   help="also export the metrics under vLLM's names (vllm:*, label engine) so "
+                        "that existing dashboards work")
+
+
+def _chat_options(args: argparse.Namespace) -> dict:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    template = None
+    if args.chat_template is not None:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as exc:
+            raise ValueError(f"--chat-template {args.chat_template!r} cannot be read: "
+                             f"{exc.strerror}") from None
+    return dict(chat_template=template,
+                trust_request_chat_template=args.trust_request_chat_template,
+                enable_auto_tool_choice=args.enable_auto_tool_choice,
+                tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                allowed_origins=tuple(args.allowed_origins or ()))
+
+
 def run(args: argparse.Namespace) -> int:
     from pagellm.core.async_engine import AsyncLLMEngine
     from pagellm.entrypoints.openai.api_server import run_server
@@ -91,12 +142,16 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is invalid: must be in [0, 65535]")
+    chat_options = _chat_options(args)
+    if args.trust_remote_code:
+        logging.getLogger("pagellm").info("--trust-remote-code has no effect: pagellm never "
+                                          "runs a model's own code")
     engine_args = engine_args_from(args)
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not engine_args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     names = args.served_model_name or [args.model]
-    metrics = EngineMetrics(names[0])
+    metrics = EngineMetrics(names[0], vllm_names=args.vllm_metric_names)
     stats_logger = StatsLogger(args.log_stats_interval)
 
     def on_step(outputs, stats) -> None:
@@ -105,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
             stats_logger.maybe_log(stats)
 
     engine = AsyncLLMEngine.from_engine_args(engine_args, on_step=on_step)
-    api_keys = args.api_key or [k for k in [os.environ.get(API_KEY_ENV)] if k]
+    api_keys = args.api_key or [k for k in [os.environ.get(API_KEY_ENV)
+                                            or os.environ.get(VLLM_API_KEY_ENV)] if k]
     config = ServerConfig(host=args.host, port=args.port, api_keys=tuple(api_keys),
                           served_model_names=tuple(names),
                           uvicorn_log_level=args.uvicorn_log_level,
@@ -114,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
                           timeout_keep_alive_s=args.timeout_keep_alive,
                           limit_concurrency=args.limit_concurrency,
                           prefix_cache_isolation=args.prefix_cache_isolation,
-                          lora_modules=lora_modules)
+                          lora_modules=lora_modules,
+                          vllm_metric_names=args.vllm_metric_names, **chat_options)
     run_server(engine, args.model, config, metrics)
     return 0

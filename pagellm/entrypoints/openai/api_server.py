@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an AsyncLLMEngine, run by uvicorn.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, and ``/health``,
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (``/v1/embeddings``
+answers 404 in OpenAI's error format: no embedding models), ``/version``, and ``/health``,
 ``/metrics`` (Prometheus), ``/stats`` (a JSON snapshot of the engine and its KV cache),
 ``/stats/blocks`` (the block map with the request ids holding each block),
 ``/tokenize``, ``/detokenize``, and ``/dashboard``, the page that draws the block map live
@@ -21,6 +22,7 @@ stops and the process exits with status 0.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import signal
@@ -29,10 +31,11 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pagellm import dashboard
+from pagellm import __version__, dashboard
 from pagellm.core.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.openai.errors import APIError, APIKeyMiddleware, install_error_handlers
 from pagellm.entrypoints.openai.http_guard import RequestBodyGuard, guarded_h11_protocol
@@ -59,7 +62,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
                         served_model_names=list(served_model_names),
                         max_model_len=engine.max_model_len,
                         prefix_cache_isolation=config.prefix_cache_isolation,
-                        loras=_lora_models(engine, config, served_model_names))
+                        loras=_lora_models(engine, config, served_model_names),
+                        system_fingerprint=_fingerprint(engine),
+                        chat=config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -75,12 +80,23 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
     install_error_handlers(app)
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+    if config.allowed_origins:  # outermost: a preflight needs no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"], allow_credentials=False)
     app.add_middleware(RequestBodyGuard, max_bytes=config.max_request_body_bytes,
                        timeout_s=config.body_timeout_s)
     _add_openai_routes(app, ctx)
     add_lora_routes(app, ctx.loras, ctx.served_model_names)
     _add_server_routes(app, ctx, metrics)
     return app
+
+
+def _fingerprint(engine: AsyncLLMEngine) -> str:
+    """OpenAI's ``system_fingerprint``: changes when the version, model or dtype does."""
+    args = getattr(engine, "args", None) or getattr(getattr(engine, "engine", None), "args",
+                                                     None)
+    text = f"{__version__}|{getattr(args, 'model', '')}|{getattr(args, 'dtype', '')}"
+    return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -91,6 +107,16 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, body, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings():
+        raise APIError(f"the model '{ctx.model_name}' does not support embeddings: pagellm "
+                       "serves generative models only (/v1/completions, "
+                       "/v1/chat/completions)", 404, "model", "model_not_supported")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models() -> dict:

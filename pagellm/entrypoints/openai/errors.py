@@ -80,9 +80,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Union members appear in the location (e.g. "temperature.float"); keep the field path.
     field = ".".join(p for p in loc if p not in ("str", "int", "float", "bool", "list[str]",
-                                                    "list[int]", "list[list[int]]"))
+                                                    "list[int]", "list[list[int]]")
+                     and "[" not in p and not p[:1].isupper())
     if not field:
         return f"invalid request body: {first['msg']}", None
+    if first.get("type") == "extra_forbidden":
+        return (f"unknown field '{field}': this server does not implement it (see "
+                "docs/OPENAI_API.md for the fields it accepts)", field)
     return f"invalid value for '{field}': {first['msg']}", field
 
 

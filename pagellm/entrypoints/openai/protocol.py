@@ -2,8 +2,12 @@
 
 Request fields are strictly typed: a string where a number belongs, or ``true`` as a token
 count, is a 400 with the field named, never a silent coercion. Value ranges are checked once,
-by ``SamplingParams``, so that the server and the offline API give the same messages. Unknown
-fields are ignored, as OpenAI's clients send optional fields this server does not implement.
+by ``SamplingParams``, so that the server and the offline API give the same messages.
+
+Unknown fields are refused (``extra="forbid"``: a 400 naming the field), since a field
+dropped without a word is a wrong answer with a 200. The fields OpenAI accepts as metadata
+(``user``, ``metadata``, ``store``, ``service_tier``) are accepted and have no effect on the
+output (``user`` may scope the prefix cache); see docs/OPENAI_API.md for every field.
 """
 from __future__ import annotations
 
@@ -23,14 +27,41 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
-class SamplingRequest(BaseModel):
+class JsonSchemaFormat(Strict):
+    name: StrictStr = "response"
+    description: StrictStr | None = None
+    # "schema" shadows a BaseModel attribute: stored as json_schema, sent as "schema"
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(Strict):
+    """vLLM's ``structured_outputs`` field (pagellm.structured_outputs.StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool = True
+
+
+class SamplingRequest(Strict):
     """Fields shared by completions and chat completions, including vLLM's extras."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
     n: StrictInt = 1
@@ -44,6 +75,18 @@ class SamplingRequest(BaseModel):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    # OpenAI metadata: accepted, no effect on the output (nothing is stored)
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    # structured outputs (OpenAI's response_format; vLLM's structured_outputs and the older
+    # guided_* spellings): at most one of them
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     # vLLM extras
     top_k: StrictInt | None = None
     min_p: Number | None = None
@@ -56,6 +99,13 @@ class SamplingRequest(BaseModel):
     spaces_between_special_tokens: StrictBool = True
     priority: StrictInt = 0
     cache_salt: StrictStr | None = None
+    prompt_logprobs: StrictInt | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    # refused with a 400 when used: beam search is not implemented
+    use_beam_search: StrictBool = False
+    length_penalty: Number | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -67,15 +117,37 @@ class CompletionRequest(SamplingRequest):
     best_of: StrictInt | None = None
 
 
-class TextContentPart(BaseModel):
+class TextContentPart(Strict):
     type: Literal["text"]
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(Strict):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(Strict):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    """A message; an assistant message may carry ``tool_calls``, a ``tool`` message answers
+    one (``tool_call_id``). The fields OpenAI's clients echo back from a response
+    (``refusal``, ``annotations``, ``audio``, ``function_call``) are accepted when null."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+    refusal: None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -85,6 +157,27 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(Strict):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: StrictInt | None = None
@@ -92,9 +185,19 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    # refused with a 400 when set: see serving_chat
+    reasoning_effort: StrictStr | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Strict):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -102,7 +205,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: StrictBool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Strict):
     model: StrictStr | None = None
     tokens: list[StrictInt]
 
@@ -119,10 +222,15 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -132,12 +240,21 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprobEntry(BaseModel):
+    """vLLM's prompt_logprobs entry, keyed by token id (as a string, JSON keys are)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprobEntry] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -147,6 +264,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
 
 
 class TopLogprob(BaseModel):
@@ -166,6 +284,17 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _drop_empty(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("reasoning_content") is None:
+            out.pop("reasoning_content", None)
+        if not out.get("tool_calls"):
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -183,13 +312,41 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprobEntry] | None] | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first carries id, type and name, the next ones
+    pieces of the arguments text (OpenAI's chunks)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class DeltaMessage(BaseModel):
-    """Only the fields a chunk carries: the role in a choice's first chunk, then content."""
+    """Only the fields a chunk carries: the role in a choice's first chunk, then content,
+    reasoning content or tool call pieces."""
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler) -> dict[str, Any]:
@@ -211,6 +368,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):

@@ -15,11 +15,13 @@ from starlette.types import Receive, Scope, Send
 
 from pagellm.core.async_engine import AsyncLLMEngine, NewRequest, OutputStream
 from pagellm.entrypoints.openai.errors import APIError, api_error_from_exception, error_body
-from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from pagellm.entrypoints.openai.protocol import (PromptLogprobEntry, PromptTokensDetails,
+                                                 SamplingRequest, UsageInfo)
 from pagellm.entrypoints.openai.tokenization import TokenizerWorker
 from pagellm.lora.request import LoRARequest
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger("pagellm")
 
@@ -46,6 +48,10 @@ class ServerContext:
     max_model_len: int
     prefix_cache_isolation: str = "shared"
     loras: Any = None  # LoRAModels (serving_lora.py) with --enable-lora
+    # identifies the backend configuration (pagellm version, model, dtype), as OpenAI's
+    system_fingerprint: str | None = None
+    # chat: see serving_chat and ChatSettings
+    chat: Any = None
 
     @property
     def model_name(self) -> str:
@@ -86,16 +92,49 @@ class ServerContext:
         return f"{tenant}\x00{req.cache_salt or ''}"
 
 
+async def request_constraint(ctx: ServerContext, req: SamplingRequest
+                             ) -> StructuredOutputsParams | None:
+    """The request's structured-outputs constraint, compiled (and cached) on the tokenizer
+    thread, so that a bad schema is a 400 naming the field it came from and a slow grammar
+    does not stall the event loop."""
+    field, params = structured_outputs_of(req)
+    if params is not None:
+        await compile_constraint(ctx, params, field)
+    return params
+
+
+async def compile_constraint(ctx: ServerContext, params: StructuredOutputsParams,
+                             field: str) -> None:
+    compiler = getattr(getattr(ctx.engine, "engine", None), "grammar_compiler", None)
+    if compiler is None:
+        return
+    try:
+        await ctx.tokenization.run(compiler.compile, params)
+    except ValueError as exc:
+        raise APIError(str(exc), 400, field) from exc
+
+
 def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    structured: StructuredOutputsParams | None = None) -> SamplingParams:
     """SamplingParams from the request fields; a bad value is a 400 naming the field. A
-    stream asks the engine for DELTA outputs, a plain response for the FINAL_ONLY one."""
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported", 400, "logit_bias")
+    stream asks the engine for DELTA outputs, a plain response for the FINAL_ONLY one.
+    ``structured``: the constraint (``request_constraint``, or a forced tool call's)."""
+    if req.use_beam_search:
+        raise APIError("use_beam_search is not supported: pagellm has no beam search", 400,
+                       "use_beam_search")
+    if req.length_penalty is not None:
+        raise APIError("length_penalty applies to beam search, which pagellm does not have",
+                       400, "length_penalty")
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", 400,
                        "stream_options")
+    if req.prompt_logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, req.prompt_logprobs)
     values = dict(
+        structured_outputs=structured,
+        bad_words=req.bad_words, allowed_token_ids=req.allowed_token_ids,
+        logit_bias=_logit_bias(req.logit_bias),
         n=req.n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
@@ -111,6 +150,78 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
         return SamplingParams(**values)
     except ValueError as exc:
         raise api_error_from_exception(exc) from exc
+
+
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not logit_bias:
+        return None
+    out = {}
+    for token, bias in logit_bias.items():
+        try:
+            out[int(token)] = bias
+        except ValueError:
+            raise APIError(f"logit_bias keys must be token ids, got {token!r}", 400,
+                           "logit_bias") from None
+    return out
+
+
+def structured_outputs_of(req: SamplingRequest
+                          ) -> tuple[str | None, StructuredOutputsParams | None]:
+    """(field, constraint) of the request: OpenAI's ``response_format``, vLLM's
+    ``structured_outputs`` or one of the older ``guided_*`` fields; more than one is a 400
+    naming the second."""
+    found: list[tuple[str, dict]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError("response_format of type json_schema needs a json_schema object",
+                           400, "response_format.json_schema")
+        found.append(("response_format", {"json": fmt.json_schema.json_schema}))
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs",
+                      req.structured_outputs.model_dump(by_alias=True, exclude_none=True)))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            found.append((f"guided_{name}", {name: value}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise APIError(f"{found[1][0]} cannot be combined with {found[0][0]}: give one "
+                       "constraint", 400, found[1][0])
+    field, spec = found[0]
+    try:
+        return field, StructuredOutputsParams(**spec)
+    except ValueError as exc:
+        raise APIError(str(exc), 400, field) from exc
+
+
+def truncate_prompt(req: SamplingRequest, ids: list[int]) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep only the last k tokens of the prompt."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k < 1:
+        raise APIError(f"truncate_prompt_tokens must be at least 1, got {k}", 400,
+                       "truncate_prompt_tokens")
+    return ids[-k:]
+
+
+def prompt_logprobs_of(ctx: ServerContext, output: RequestOutput
+                       ) -> list[dict[str, PromptLogprobEntry] | None] | None:
+    """vLLM's response shape: one entry per prompt token (the first None), keyed by id."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(tid): PromptLogprobEntry(
+                logprob=max(lp.logprob, LOGPROB_FLOOR), rank=lp.rank,
+                decoded_token=(lp.decoded_token if lp.decoded_token is not None
+                               else ctx.tokenizer.decode([tid])))
+             for tid, lp in entry.items()}
+            for entry in output.prompt_logprobs]
 
 
 _OPTIONAL_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -174,8 +285,10 @@ def check_outputs(outputs) -> None:
 def usage_of(outputs) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 # ---------------------------------------------------------------------------- streaming
@@ -198,6 +311,7 @@ class DeltaTracker:
 
     started: set[tuple[str, int]] = field(default_factory=set)
     prompt_tokens: dict[str, int] = field(default_factory=dict)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
     completion_tokens: int = 0
 
     def delta(self, request_id: str, c: CompletionOutput) -> Delta | None:
@@ -212,11 +326,14 @@ class DeltaTracker:
 
     def count_prompt(self, output: RequestOutput) -> None:
         self.prompt_tokens[output.request_id] = len(output.prompt_token_ids)
+        self.cached_tokens[output.request_id] = output.num_cached_tokens
 
     def usage(self) -> UsageInfo:
         prompt = sum(self.prompt_tokens.values())
         return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
-                         total_tokens=prompt + self.completion_tokens)
+                         total_tokens=prompt + self.completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(
+                             cached_tokens=sum(self.cached_tokens.values())))
 
 
 def sse(payload: dict | str) -> str:

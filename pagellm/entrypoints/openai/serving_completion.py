@@ -19,7 +19,9 @@ from pagellm.entrypoints.openai.protocol import (CompletionChoice, CompletionLog
                                                  random_id)
 from pagellm.entrypoints.openai.serving import (LOGPROB_FLOOR, DeltaTracker, EventStreamResponse,
                                                 ServerContext, add_requests, check_outputs,
-                                                collect, sampling_params, sse_events, usage_of)
+                                                collect, prompt_logprobs_of,
+                                                request_constraint, sampling_params,
+                                                sse_events, truncate_prompt, usage_of)
 from pagellm.outputs import LogprobsDict, RequestOutput
 
 
@@ -32,9 +34,15 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                        400, "best_of")
     if req.echo and req.logprobs is not None and req.stream:
         raise APIError("echo with logprobs is not supported when streaming", 400, "echo")
-    prompts = await _prompts(ctx, req.prompt)
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("prompt_logprobs is not supported when streaming", 400,
+                       "prompt_logprobs")
+    prompts = [(text, truncate_prompt(req, ids)) for text, ids in await _prompts(ctx, req.prompt)]
+    if req.truncate_prompt_tokens is not None:  # echo shows the prompt the model saw
+        prompts = [(await ctx.tokenization.decode(ids, "prompt"), ids) for _, ids in prompts]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs,
+                             await request_constraint(ctx, req))
     base_id = random_id("cmpl")
     salt = ctx.cache_salt(req, raw)
     requests = [NewRequest(f"{base_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params,
@@ -51,8 +59,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     choices = [_choice(ctx, req, order[o.request_id], o, texts[order[o.request_id]])
                for o in outputs]
     choices = [c for group in choices for c in group]
-    response = CompletionResponse(id=base_id, model=ctx.response_model(req.model),
-                                  choices=choices, usage=usage_of(outputs))
+    response = CompletionResponse(id=base_id, model=ctx.response_model(req.model), choices=choices,
+                                  usage=usage_of(outputs),
+                                  system_fingerprint=ctx.system_fingerprint)
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -96,7 +105,10 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt_index: int, outpu
         choices.append(CompletionChoice(index=prompt_index * req.n + c.index,
                                         text=prefix + c.text, logprobs=logprobs,
                                         finish_reason=c.finish_reason,
-                                        stop_reason=c.stop_reason))
+                                        stop_reason=c.stop_reason,
+                                        prompt_logprobs=(prompt_logprobs_of(ctx, output)
+                                                         if req.prompt_logprobs is not None
+                                                         else None)))
     return choices
 
 
@@ -157,13 +169,20 @@ async def _stream_chunks(ctx: ServerContext, req: CompletionRequest, stream: Out
                         index=prompt_index * req.n + c.index, text=text, logprobs=logprobs,
                         finish_reason=d.finish_reason, stop_reason=d.stop_reason))
             if choices:
-                yield CompletionResponse(id=base_id, created=created,
-                                         model=ctx.response_model(req.model),
-                                         choices=choices).model_dump(mode="json")
+                usage = tracker.usage() if _continuous_usage(req) else None
+                yield CompletionResponse(id=base_id, created=created, model=ctx.response_model(req.model),
+                                         choices=choices, usage=usage,
+                                         system_fingerprint=ctx.system_fingerprint
+                                         ).model_dump(mode="json")
         if req.stream_options and req.stream_options.include_usage:
-            yield CompletionResponse(id=base_id, created=created,
-                                     model=ctx.response_model(req.model),
-                                     choices=[], usage=tracker.usage()
+            yield CompletionResponse(id=base_id, created=created, model=ctx.response_model(req.model),
+                                     choices=[], usage=tracker.usage(),
+                                     system_fingerprint=ctx.system_fingerprint
                                      ).model_dump(mode="json")
     finally:
         ctx.engine.release(stream)
+
+
+def _continuous_usage(req) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: usage so far in every chunk."""
+    return bool(req.stream_options and req.stream_options.continuous_usage_stats)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -43,6 +44,10 @@ class TokenizerWorker:
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def run(self, fn, *args):
+        """Run other slow text work (compiling a grammar) on this thread."""
+        return await self._run(fn, *args)
 
     def check_text(self, text: str, param: str, length_limited: bool = True) -> None:
         """400 for text that is not valid Unicode or could never fit the context."""
@@ -78,14 +83,23 @@ class TokenizerWorker:
     def has_chat_template(self) -> bool:
         return getattr(self._tokenizer, "chat_template", None) is not None
 
-    async def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool
-                                  ) -> list[int]:
+    def template_source(self) -> str:
+        template = getattr(self._tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else json.dumps(template)
+
+    async def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool,
+                                  **options: Any) -> list[int]:
+        """``options``: apply_chat_template's ``tools``, ``chat_template``,
+        ``continue_final_message`` and the template's own variables."""
         for i, message in enumerate(conversation):
-            self.check_text(message["content"], f"messages.{i}.content")
+            if message.get("content") is not None:
+                self.check_text(message["content"], f"messages.{i}.content")
+        options = {k: v for k, v in options.items() if v is not None}
 
         def apply() -> list[int]:
             ids = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                **options)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return list(ids)
