@@ -117,12 +117,14 @@ def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu",
-                    pack_weights: bool = True) -> tuple[CausalLM, Any]:
-    """Build the model of a GGUF file and load its dequantized weights: (model, hf_config)."""
+                    pack_weights: bool = True, tp: Any = None) -> tuple[CausalLM, Any]:
+    """Build the model of a GGUF file and load its dequantized weights: (model, hf_config).
+    Under tensor parallelism (``tp``) each tensor is dequantized whole, one at a time, and the
+    weight loaders keep the rank's rows or columns of it."""
     from pagellm.model.loader import build_model, load_weights
 
     hf_config = load_gguf_config(path)
-    model = build_model(hf_config, dtype, device)
+    model = build_model(hf_config, dtype, device, tp)
     load_weights(model, iterate_gguf_weights(open_reader(path), hf_config, dtype))
     if pack_weights and torch.device(device).type == "cpu":
         model.pack_weights()

@@ -5,6 +5,10 @@ per-sequence state of the model side: the random generators of seeded requests. 
 ``SchedulerOutput`` and nothing else of the scheduler (with tensor parallelism each rank would
 run one on the broadcast plan), and returns a ``ModelRunnerOutput`` keyed by sequence id: all
 the torch work (logits, log-softmax, top-k, sampling) happens here, none in pagellm.core.
+
+Under tensor parallelism every rank has a Worker over its shard of the model and of the KV
+cache and runs the same plan (cache operations and forward); only the driver's (rank 0,
+``is_driver``) samples and answers, the others return an empty output.
 """
 from __future__ import annotations
 
@@ -24,12 +28,16 @@ class Worker:
     finished, so a seeded sample depends only on its seed, its index and its own history."""
 
     def __init__(self, cache_engine: CacheEngine, runner: ModelRunner, sampler: Sampler,
-                 device: torch.device) -> None:
+                 device: torch.device, is_driver: bool = True) -> None:
         self.cache_engine = cache_engine
         self.runner = runner
         self.sampler = sampler
         self.device = device
+        self.is_driver = is_driver
         self.generators: dict[str, torch.Generator] = {}
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process (the executors' shutdown stops their workers)."""
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for seq_id in plan.finished_seq_ids:
@@ -39,6 +47,8 @@ class Worker:
         if plan.is_empty:
             return output
         logits = self.runner.execute(plan.scheduled)  # [rows, vocab], rows as runner documents
+        if not self.is_driver:
+            return output
         sample_rows: list[int] = []
         sample_seqs: list[tuple[ScheduledSequence, int]] = []  # (sequence, sample index)
         row = 0
