@@ -1,0 +1,97 @@
+"""Tensor parallelism over two worker ranks on the CPU (gloo): the same greedy tokens as one
+rank, logprobs within 1e-4 (the all-reduces sum in another order), for every way a model is
+split (replicated KV heads, biases, tied embeddings, q/k norm, an uneven vocabulary), under
+memory pressure (swap and recompute), with prefix caching and with n > 1."""
+from __future__ import annotations
+
+import pytest
+from helpers import random_prompts
+
+from pagellm import SamplingParams
+
+MAX_TOKENS = 24
+LOGPROB_TOLERANCE = 1e-4
+
+
+def prompts(vocab_size: int = 509, seed: int = 1) -> list[dict]:
+    return [{"prompt_token_ids": p}
+            for p in random_prompts([1, 9, 40, 130], vocab_size=vocab_size, seed=seed)]
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def assert_same_outputs(expected, actual) -> None:
+    """Same tokens, and the chosen tokens' logprobs (and the top-5) within tolerance."""
+    assert len(expected) == len(actual)
+    for exp, act in zip(expected, actual):
+        assert [c.token_ids for c in act.outputs] == [c.token_ids for c in exp.outputs]
+        for exp_c, act_c in zip(exp.outputs, act.outputs):
+            if exp_c.logprobs is None:
+                continue
+            for token, exp_top, act_top in zip(exp_c.token_ids, exp_c.logprobs, act_c.logprobs):
+                assert act_top[token].logprob == pytest.approx(exp_top[token].logprob,
+                                                               abs=LOGPROB_TOLERANCE)
+                for other, value in exp_top.items():
+                    if other in act_top:
+                        assert act_top[other].logprob == pytest.approx(
+                            value.logprob, abs=LOGPROB_TOLERANCE)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "qwen3"])
+def test_greedy_tokens_and_logprobs_match_one_rank(engines, model):
+    params = greedy(logprobs=5)
+    expected = engines.get(model).generate(prompts(), params, use_tqdm=False)
+    actual = engines.get(model, tp=2).generate(prompts(), params, use_tqdm=False)
+    assert_same_outputs(expected, actual)
+    # the tokens vary: a broken shard would change them
+    assert len(set(expected[-1].outputs[0].token_ids)) > MAX_TOKENS // 3
+
+
+@pytest.mark.parametrize("model", ["qwen3"])
+def test_prompt_logprobs_match_one_rank(engines, model):
+    params = greedy(max_tokens=4, prompt_logprobs=3)
+    expected = engines.get(model).generate(prompts()[2:3], params, use_tqdm=False)[0]
+    actual = engines.get(model, tp=2).generate(prompts()[2:3], params, use_tqdm=False)[0]
+    assert len(actual.prompt_logprobs) == len(expected.prompt_logprobs) == 40
+    for exp_row, act_row in zip(expected.prompt_logprobs[1:], actual.prompt_logprobs[1:]):
+        for token, value in exp_row.items():
+            assert act_row[token].logprob == pytest.approx(value.logprob,
+                                                           abs=LOGPROB_TOLERANCE)
+
+
+# A KV cache too small for the batch: 20 blocks of 16 tokens for four sequences growing to
+# ~150 tokens, so sequences are preempted and come back.
+PRESSURE = dict(num_gpu_blocks_override=20, block_size=16, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_memory_pressure_gives_the_same_tokens(engines, mode):
+    params = greedy(max_tokens=40)
+    batch = [{"prompt_token_ids": p}
+             for p in random_prompts([100, 90, 110, 70], vocab_size=512, seed=3)]
+    expected = engines.get("llama").generate(batch, params, use_tqdm=False)
+    llm = engines.get("llama", tp=2, preemption_mode=mode, **PRESSURE)
+    actual = llm.generate(batch, params, use_tqdm=False)
+    assert_same_outputs(expected, actual)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0
+    assert (stats.num_swap_outs > 0) == (mode == "swap")
+
+
+def test_prefix_caching_and_n_greater_than_one(engines):
+    prefix = random_prompts([48], vocab_size=512, seed=5)[0]
+    batch = [{"prompt_token_ids": p}
+             for p in random_prompts([60, 70, 80], vocab_size=512, seed=6, prefix=prefix)]
+    params = greedy()
+    sampled = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=16, ignore_eos=True)
+    single, parallel = engines.get("llama"), engines.get("llama", tp=2)
+    for _ in range(2):  # the second round reads the prefix from the cache
+        assert_same_outputs(single.generate(batch, params, use_tqdm=False),
+                            parallel.generate(batch, params, use_tqdm=False))
+    assert parallel.llm_engine.get_stats().prefix_cache_hits >= 3 * 48
+    expected = single.generate(batch[:2], sampled, use_tqdm=False)
+    actual = parallel.generate(batch[:2], sampled, use_tqdm=False)
+    assert_same_outputs(expected, actual)
+    assert len({tuple(c.token_ids) for c in actual[0].outputs}) == 3
