@@ -191,13 +191,13 @@ class MultiprocExecutor:
     def _watch(self) -> None:
         """Wait for any worker to exit; if the executor is not closing, that is a failure."""
         sentinels = [p.sentinel for p in self.processes]
-        multiprocessing.connection.wait(sentinels)
+        ready = multiprocessing.connection.wait(sentinels)
         if self._closing:
             return
-        gone = [(i + 1, p) for i, p in enumerate(self.processes) if not p.is_alive()]
-        rank, process = gone[0] if gone else (0, self.processes[0])
+        index = sentinels.index(ready[0])
+        process = self.processes[index]
         process.join(1.0)
-        self._fail(f"tensor-parallel rank {rank} (pid {process.pid}) died with exit code "
+        self._fail(f"tensor-parallel rank {index + 1} (pid {process.pid}) died with exit code "
                    f"{process.exitcode}")
 
     def _fail(self, reason: str) -> WorkerDiedError:

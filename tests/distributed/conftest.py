@@ -28,7 +28,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # per-head q/k norm; a vocabulary that does not split evenly (509 = 255 + 254 rows)
     "qwen3": ("Qwen3ForCausalLM", {"vocab_size": 509}),
 }
-BASE_KWARGS = dict(dtype="float32", max_model_len=256, swap_space=0.05, seed=0)
+BASE_KWARGS = dict(dtype="float32", max_model_len=256, swap_space=0.05, seed=0,
+                   kv_cache_memory_bytes=8 << 20)
 
 
 @pytest.fixture(autouse=True, scope="package")
