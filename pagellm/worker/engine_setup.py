@@ -186,6 +186,10 @@ def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.
     free (gpu_memory_utilization's margin); vLLM measures it instead."""
     if device.type != "cuda" or args.enforce_eager:
         return
+    if args.tensor_parallel_size > 1:
+        logger.info("CUDA graphs off: tensor parallelism runs every step eagerly (capturing "
+                    "the collectives has not been tested)")
+        return
     if not runs_triton(device):
         logger.info("CUDA graphs off: attention does not run the Triton kernels "
                     "(triton missing or PAGELLM_ATTENTION_BACKEND=torch)")
