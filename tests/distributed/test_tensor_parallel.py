@@ -6,38 +6,10 @@ from __future__ import annotations
 
 import pytest
 from helpers import random_prompts
+from tp_engines import (LOGPROB_TOLERANCE, MAX_TOKENS, assert_same_outputs, greedy,
+                        prompts)
 
 from pagellm import SamplingParams
-
-MAX_TOKENS = 24
-LOGPROB_TOLERANCE = 1e-4
-
-
-def prompts(vocab_size: int = 509, seed: int = 1) -> list[dict]:
-    return [{"prompt_token_ids": p}
-            for p in random_prompts([1, 9, 40, 130], vocab_size=vocab_size, seed=seed)]
-
-
-def greedy(max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def assert_same_outputs(expected, actual) -> None:
-    """Same tokens, and the chosen tokens' logprobs (and the top-5) within tolerance."""
-    assert len(expected) == len(actual)
-    for exp, act in zip(expected, actual):
-        assert [c.token_ids for c in act.outputs] == [c.token_ids for c in exp.outputs]
-        for exp_c, act_c in zip(exp.outputs, act.outputs):
-            if exp_c.logprobs is None:
-                continue
-            for token, exp_top, act_top in zip(exp_c.token_ids, exp_c.logprobs, act_c.logprobs):
-                assert act_top[token].logprob == pytest.approx(exp_top[token].logprob,
-                                                               abs=LOGPROB_TOLERANCE)
-                for other, value in exp_top.items():
-                    if other in act_top:
-                        assert act_top[other].logprob == pytest.approx(
-                            value.logprob, abs=LOGPROB_TOLERANCE)
-
 
 # The Llama engine's KV cache is too small for its batches: 20 blocks of 16 tokens for four
 # sequences growing to ~150 tokens, so sequences are preempted and come back.

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BASE_KWARGS
 from helpers import random_prompts
+from tp_engines import BASE_KWARGS
 
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.core.engine import EngineDeadError
@@ -138,3 +138,18 @@ def test_heads_per_rank():
                                          "model's num_key_value_heads=4"):
         heads_per_rank(12, 4, 6)
     assert [vocab_range(509, r, 2) for r in range(2)] == [(0, 255, 255), (255, 254, 255)]
+
+
+def test_command_line_flags():
+    import argparse
+
+    from pagellm.entrypoints.commands.engine_flags import add_engine_flags, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    add_engine_flags(parser)
+    args = engine_args_from(parser.parse_args(["m", "-tp", "2"]))
+    assert (args.tensor_parallel_size, args.distributed_executor_backend) == (2, "mp")
+    args = engine_args_from(parser.parse_args(
+        ["m", "--tensor-parallel-size", "4", "--distributed-executor-backend", "ray"]))
+    assert (args.tensor_parallel_size, args.distributed_executor_backend) == (4, "ray")

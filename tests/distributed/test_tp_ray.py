@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import BASE_KWARGS
-from test_tensor_parallel import assert_same_outputs, greedy, prompts
+from tp_engines import BASE_KWARGS, assert_same_outputs, greedy, prompts
 
 import pagellm
 from pagellm import LLM
