@@ -103,6 +103,7 @@ def test_workers_exit_when_the_driver_dies(tiny_models, tmp_path):
     finally:
         driver.kill()
         driver.wait(10)
+        driver.stdout.close()
 
 
 def test_heads_the_ranks_cannot_split_are_refused_before_anything_starts(tiny_models):
