@@ -79,7 +79,8 @@ def available() -> bool:
 
 
 def supports(query: torch.Tensor) -> bool:
-    return query.device.type == "cpu" and query.dtype in _SUFFIX and available()
+    # twice per layer and step: is_cpu and a dict lookup before the (cached) load
+    return query.is_cpu and query.dtype in _SUFFIX and available()
 
 
 def vector_paths() -> dict[str, bool]:

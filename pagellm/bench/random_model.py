@@ -21,6 +21,11 @@ SMALL_LLAMA = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12
 TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, intermediate_size=128, vocab_size=512,
                   max_position_embeddings=1024)
+# The small model's 12 layers at widths where arithmetic is negligible: its decode forward
+# time is the Python, the ctypes calls and the op dispatch of a step (benchmarks/engine_step.py).
+NARROW_LLAMA = dict(hidden_size=128, num_hidden_layers=12, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=256, vocab_size=512,
+                    max_position_embeddings=1024)
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"

@@ -20,7 +20,7 @@ from pagellm.bench.timeline import RunResult, Timeline
 from pagellm.bench.workloads import BenchRequest
 
 # Built-in seeded random-weight models, by name (see pagellm.bench.random_model).
-BUILTIN_MODELS = ("tiny", "small")
+BUILTIN_MODELS = ("tiny", "small", "narrow")
 
 
 def default_cache_dir() -> Path:
@@ -28,13 +28,14 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(name: str, cache_dir: str | Path | None = None) -> str:
-    """``tiny`` / ``small``: the seeded random-weight Llama configs, built once in the cache
-    folder; anything else is a model folder or hub id, returned as is."""
+    """``tiny`` / ``small`` / ``narrow``: the seeded random-weight Llama configs, built once in
+    the cache folder; anything else is a model folder or hub id, returned as is."""
     if name not in BUILTIN_MODELS:
         return name
-    from pagellm.bench.random_model import SMALL_LLAMA, TINY_LLAMA, cached_demo_model
+    from pagellm.bench.random_model import (NARROW_LLAMA, SMALL_LLAMA, TINY_LLAMA,
+                                            cached_demo_model)
 
-    config = TINY_LLAMA if name == "tiny" else SMALL_LLAMA
+    config = {"tiny": TINY_LLAMA, "small": SMALL_LLAMA, "narrow": NARROW_LLAMA}[name]
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     return str(cached_demo_model(cache, f"bench-{name}-llama", **config))
 

@@ -5,8 +5,9 @@
 - ``serving``: latency and throughput of a running OpenAI-compatible server;
 - ``engine``: the engine's step time split into model forward and everything else.
 
-``--model tiny`` and ``--model small`` name the built-in seeded random-weight Llama configs
-(built once in the cache folder); any other value is a model folder or hub id.
+``--model tiny``, ``small`` and ``narrow`` name the built-in seeded random-weight Llama configs
+(built once in the cache folder; ``narrow`` has small's 12 layers at widths of 128, so that its
+forward time is the step's Python and dispatch); any other value is a model folder or hub id.
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def add_parser(subparsers) -> None:
 
 def _add_common(p: argparse.ArgumentParser, model: str, dtype: str = "bfloat16") -> None:
     p.add_argument("--model", default=model,
-                   help=f"'tiny', 'small' (built-in random weights), a model folder or a .gguf "
-                        f"file (default {model})")
+                   help=f"'tiny', 'small', 'narrow' (built-in random weights), a model folder or "
+                        f"a .gguf file (default {model})")
     p.add_argument("--dtype", default=dtype, choices=("bfloat16", "float32", "float16"),
                    help=f"weights, activations and KV cache (default {dtype})")
     p.add_argument("--cache-dir", default=None,
@@ -194,8 +195,8 @@ def _add_serving(modes) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model name to send (default: the first of GET /v1/models)")
     p.add_argument("--tokenizer", default=None,
-                   help="'tiny', 'small' or a folder: its vocabulary sizes the random prompts "
-                        "and decodes them for --prompt-format text")
+                   help="'tiny', 'small', 'narrow' or a folder: its vocabulary sizes the random "
+                        "prompts and decodes them for --prompt-format text")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary size for random token prompts when there is no tokenizer")
     p.add_argument("--cache-dir", default=None)

@@ -63,6 +63,12 @@ class _Library:
         self.tried = False
         self.lanes = 0
         self.enabled: set[tuple[str, torch.dtype]] = set()
+        self.workspace = torch.empty(0)  # float32 scratch of rms_norm, grow-only
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        if self.workspace.numel() < numel:
+            self.workspace = torch.empty(numel)
+        return self.workspace
 
     def load(self) -> ctypes.CDLL | None:
         if not self.tried:
@@ -95,8 +101,9 @@ def _declare(library: ctypes.CDLL) -> None:
 def available(x: torch.Tensor, op: str) -> bool:
     """Whether ``op`` (one of _OPS) runs compiled for x: on the CPU, in a dtype where it was
     verified bit-identical to the torch op at load."""
-    return (x.device.type == "cpu" and x.dtype in _SUFFIX and _LIBRARY.load() is not None
-            and (op, x.dtype) in _LIBRARY.enabled)
+    if not _LIBRARY.tried:
+        _LIBRARY.load()  # ``enabled`` stays empty where the library did not load
+    return x.is_cpu and (op, x.dtype) in _LIBRARY.enabled  # for every norm of a step: cheap
 
 
 def enabled_ops() -> list[str]:
@@ -183,7 +190,7 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     n = x.shape[-1]
     out = torch.empty_like(x)
     threads = torch.get_num_threads()
-    scratch = torch.empty(2 * n * threads)  # float32: h and its squares, per thread
+    scratch = _LIBRARY.scratch(2 * n * threads)  # float32: h and its squares, per thread
     args = _RMSArgs(x.data_ptr(), None if residual is None else residual.data_ptr(),
                     weight.data_ptr(), out.data_ptr(), scratch.data_ptr(), x.numel() // n, n,
                     _LIBRARY.lanes, threads, eps)
