@@ -40,8 +40,9 @@ def tiny_models(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engines(tiny_models):
+    """Closed at the end of each module: no worker process outlives the tests that use it."""
     manager = TensorParallelEngines(tiny_models)
     yield manager
     manager.close()
