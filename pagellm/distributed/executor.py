@@ -61,11 +61,44 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def worker_plan(plan: SchedulerOutput) -> SchedulerOutput:
-    """The plan as the non-driver ranks need it: no sampling parameters (they do not sample,
-    and a request's logits processors need not be picklable)."""
-    scheduled = [dataclasses.replace(item, params=None, sample_ids=())
-                 for item in plan.scheduled]
+    """The plan as the non-driver ranks need it: the tokens of this step only (not each
+    sequence's whole history, which would make the message grow with the context), no
+    sampling parameters (they do not sample, and a request's logits processors need not be
+    picklable)."""
+    scheduled = []
+    for item in plan.scheduled:
+        start = item.num_computed_tokens
+        window = TokenWindow(start, len(item.token_ids),
+                             tuple(item.token_ids[start:start + item.num_new_tokens]))
+        scheduled.append(dataclasses.replace(item, token_ids=window, params=None,
+                                             sample_ids=()))
     return dataclasses.replace(plan, scheduled=scheduled)
+
+
+class TokenWindow:
+    """The token ids ``start .. start + len(tokens)`` of a sequence of ``length`` tokens: what
+    the model runner reads of a worker's plan (``token_ids[num_computed_tokens:end]`` and
+    ``len(token_ids)``). Reading outside the window raises IndexError."""
+
+    __slots__ = ("start", "length", "tokens")
+
+    def __init__(self, start: int, length: int, tokens: tuple[int, ...]) -> None:
+        self.start, self.length, self.tokens = start, length, tokens
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: slice) -> tuple[int, ...]:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise IndexError(f"a TokenWindow reads slices only, not {index!r}")
+        begin, end, _ = index.indices(self.length)
+        if begin < self.start or end > self.start + len(self.tokens):
+            raise IndexError(f"tokens {begin}..{end} are outside the plan's window "
+                             f"{self.start}..{self.start + len(self.tokens)}")
+        return self.tokens[begin - self.start:end - self.start]
+
+    def __reduce__(self):
+        return TokenWindow, (self.start, self.length, self.tokens)
 
 
 class MultiprocExecutor:

@@ -154,3 +154,22 @@ def test_command_line_flags():
     args = engine_args_from(parser.parse_args(
         ["m", "--tensor-parallel-size", "4", "--distributed-executor-backend", "ray"]))
     assert (args.tensor_parallel_size, args.distributed_executor_backend) == (4, "ray")
+
+
+def test_worker_plans_carry_only_the_steps_tokens():
+    import pickle
+
+    from pagellm.core.plan import ScheduledSequence, SchedulerOutput
+    from pagellm.distributed.executor import worker_plan
+
+    history = list(range(10, 2010))  # a 2,000-token sequence decoding its next token
+    plan = SchedulerOutput([ScheduledSequence("s", history, 1999, 1, [0], True,
+                                              params=SamplingParams(), sample_ids=("s",))],
+                           blocks_to_copy=[(1, 2)])
+    sent = pickle.loads(pickle.dumps(worker_plan(plan)))
+    item = sent.scheduled[0]
+    assert len(item.token_ids) == 2000 and item.token_ids[1999:2000] == (2009,)
+    assert item.params is None and sent.blocks_to_copy == [(1, 2)]
+    assert len(pickle.dumps(worker_plan(plan))) < 1000
+    with pytest.raises(IndexError, match="outside the plan's window"):
+        item.token_ids[0:5]
