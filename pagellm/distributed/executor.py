@@ -9,8 +9,12 @@ NCCL on GPUs), never through the pipes.
 
 Failures: a watchdog thread waits on the workers' process sentinels; when one dies it kills
 the others (which also breaks a collective the driver may be blocked in, since its peers are
-gone) and the step raises ``WorkerDiedError``, an ``EngineDeadError``. A worker polls its
-parent's pid and exits when the driver is gone, or when its pipe closes.
+gone) and the step raises ``WorkerDiedError``, an ``EngineDeadError``. A step that fails on
+every rank (the same plan fails the same way everywhere) fails like a single-device step; one
+that fails on some ranks only leaves the ranks out of step, so it is the engine's end too: a
+worker that failed while the driver is still blocked in the step is noticed by the watchdog
+(the worker's ``failed`` event) within ``STRAGGLER_GRACE_S``. A worker polls its parent's pid
+and exits when the driver is gone, or when its pipe closes.
 """
 from __future__ import annotations
 
@@ -39,10 +43,18 @@ logger = logging.getLogger("pagellm")
 TIMEOUT_S = float(os.environ.get("PAGELLM_TP_TIMEOUT_S", "600"))
 # How often a worker checks that its driver is still alive while it waits for a plan.
 PARENT_POLL_S = 0.5
+# A rank that failed a step alone leaves the others blocked in a collective: after this many
+# seconds of a failed rank and a driver still inside the step, the step is declared lost.
+STRAGGLER_GRACE_S = 5.0
 
 
 class WorkerDiedError(EngineDeadError):
-    """A tensor-parallel worker exited or stopped answering: the engine cannot go on."""
+    """A tensor-parallel worker exited or stopped answering, or the ranks fell out of step:
+    the engine cannot go on."""
+
+
+class WorkerStepError(RuntimeError):
+    """What the workers reported about the step that ended the engine (the cause)."""
 
 
 def make_executor(spec: Any, device: torch.device) -> tuple[Any, Any]:
@@ -118,12 +130,14 @@ class MultiprocExecutor:
         context = multiprocessing.get_context("spawn")
         self.processes: list[Any] = []
         self.conns: list[Any] = []
+        self.failed = [context.Event() for _ in range(1, self.world_size)]  # set by a worker
+        self._step_started: float | None = None  # while the driver runs its part of a step
         for rank in range(1, self.world_size):
             parent_end, child_end = context.Pipe()
             process = context.Process(
                 target=_worker_main, name=f"pagellm-tp-rank{rank}", daemon=True,
                 args=(spec, rank, self.world_size, init_method, rank_device(device, rank),
-                      child_end, os.getpid(), torch.get_num_threads()))
+                      child_end, self.failed[rank - 1], os.getpid(), torch.get_num_threads()))
             process.start()
             child_end.close()
             self.processes.append(process)
@@ -193,22 +207,33 @@ class MultiprocExecutor:
                 raise self._fail(f"tensor-parallel rank {rank} is gone ({exc!r})") from exc
         error: Exception | None = None
         output = ModelRunnerOutput()
+        self._step_started = time.monotonic()
         try:
             output = self.driver.worker.execute_model(plan)
         except Exception as exc:  # noqa: BLE001 - decided below, once the workers answered
             error = exc
-        worker_errors = [self._answer(rank) for rank in range(1, self.world_size)]
-        if error is not None:
+        finally:
+            self._step_started = None
+        # after a failure here the workers may be blocked in a collective this rank left
+        timeout = STRAGGLER_GRACE_S if error is not None else TIMEOUT_S
+        failures = [(rank, self._answer(rank, timeout)) for rank in range(1, self.world_size)]
+        failures = [(rank, text) for rank, text in failures if text is not None]
+        if self.dead is None and error is not None and len(failures) in (0, len(self.conns)):
+            # every rank failed the same way, or the workers finished the forward and only
+            # this rank's own part failed (sampling): the ranks are in step, the engine goes on
+            for event in self.failed:
+                event.clear()
             raise error
-        for rank, failure in enumerate(worker_errors, start=1):
-            if failure is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} failed the step: {failure}")
+        if failures or self.dead is not None:
+            details = "; ".join(f"rank {rank} failed the step: {text}" for rank, text in failures)
+            reason = self.dead or "the tensor-parallel ranks are out of step"
+            raise self._fail(reason) from WorkerStepError(details or repr(error))
         return output
 
-    def _answer(self, rank: int) -> str | None:
+    def _answer(self, rank: int, timeout: float) -> str | None:
         """Wait for rank's acknowledgement: None, or its exception's text."""
         conn, process = self.conns[rank - 1], self.processes[rank - 1]
-        ready = multiprocessing.connection.wait([conn, process.sentinel], timeout=TIMEOUT_S)
+        ready = multiprocessing.connection.wait([conn, process.sentinel], timeout=timeout)
         if conn in ready:
             try:
                 return conn.recv()
@@ -216,22 +241,35 @@ class MultiprocExecutor:
                 pass
         if not ready:
             raise self._fail(f"tensor-parallel rank {rank} did not answer within "
-                             f"{TIMEOUT_S:.0f} s (PAGELLM_TP_TIMEOUT_S)")
+                             f"{timeout:.0f} s")
         process.join(1.0)
         raise self._fail(self.dead or f"tensor-parallel rank {rank} (pid {process.pid}) died "
                          f"with exit code {process.exitcode}")
 
     def _watch(self) -> None:
-        """Wait for any worker to exit; if the executor is not closing, that is a failure."""
+        """Wait for any worker to exit (unless the executor is closing, a failure), and for a
+        worker that failed a step while the driver is still blocked in it."""
         sentinels = [p.sentinel for p in self.processes]
-        ready = multiprocessing.connection.wait(sentinels)
-        if self._closing:
-            return
-        index = sentinels.index(ready[0])
-        process = self.processes[index]
-        process.join(1.0)
-        self._fail(f"tensor-parallel rank {index + 1} (pid {process.pid}) died with exit code "
-                   f"{process.exitcode}")
+        failed_since: float | None = None
+        while not self._closing:
+            ready = multiprocessing.connection.wait(sentinels, timeout=0.5)
+            if self._closing:
+                return
+            if ready:  # (reaped by the thread that drives the steps, never here)
+                index = sentinels.index(ready[0])
+                self._fail(f"tensor-parallel rank {index + 1} (pid "
+                           f"{self.processes[index].pid}) died")
+                return
+            started = self._step_started
+            stuck = [rank for rank, event in enumerate(self.failed, start=1) if event.is_set()]
+            if started is None or not stuck:
+                failed_since = None
+                continue
+            failed_since = failed_since or time.monotonic()
+            if time.monotonic() - failed_since > STRAGGLER_GRACE_S:
+                self._fail(f"tensor-parallel rank {stuck[0]} failed a step alone while rank 0 "
+                           "waited for it in a collective")
+                return
 
     def _fail(self, reason: str) -> WorkerDiedError:
         """Record the failure and stop every worker (a collective blocked on them fails)."""
@@ -240,8 +278,7 @@ class MultiprocExecutor:
             logger.error("%s: stopping the other tensor-parallel ranks", reason)
         self._closing = True
         for process in self.processes:
-            if process.is_alive():
-                process.kill()
+            process.kill()  # a no-op for one already gone
         return WorkerDiedError(self.dead)
 
     # ------------------------------------------------------------------ shutdown
@@ -284,7 +321,8 @@ def _stop_workers(processes: list[Any], conns: list[Any]) -> None:
 
 
 def _worker_main(spec: Any, rank: int, world_size: int, init_method: str,
-                 device: torch.device, conn: Any, parent_pid: int, num_threads: int) -> None:
+                 device: torch.device, conn: Any, failed: Any, parent_pid: int,
+                 num_threads: int) -> None:
     """A worker process: join the group, build this rank's shard, then run every plan the
     driver sends until it sends None, its pipe closes or the driver is gone."""
     from pagellm.worker.engine_setup import build_rank_worker
@@ -298,12 +336,12 @@ def _worker_main(spec: Any, rank: int, world_size: int, init_method: str,
         conn.send(("error", _describe(exc)))
         return
     try:
-        _serve(worker, conn, parent_pid)
+        _serve(worker, conn, failed, parent_pid)
     finally:
         destroy_distributed()
 
 
-def _serve(worker: Any, conn: Any, parent_pid: int) -> None:
+def _serve(worker: Any, conn: Any, failed: Any, parent_pid: int) -> None:
     while True:
         if not conn.poll(PARENT_POLL_S):
             if os.getppid() != parent_pid:
@@ -319,6 +357,7 @@ def _serve(worker: Any, conn: Any, parent_pid: int) -> None:
             worker.execute_model(plan)
             answer = None
         except Exception as exc:  # noqa: BLE001 - the driver decides
+            failed.set()
             answer = _describe(exc)
         try:
             conn.send(answer)

@@ -68,6 +68,19 @@ def test_prefix_caching_and_n_greater_than_one(engines):
     assert len({tuple(c.token_ids) for c in actual[0].outputs}) == 3
 
 
+def test_a_plan_every_rank_refuses_fails_that_step_only(engines):
+    from pagellm.core.plan import ScheduledSequence, SchedulerOutput
+
+    llm = engines.get("llama", tp=2, **LLAMA)
+    bad = SchedulerOutput([ScheduledSequence("bad", [5, 6, 7], 0, 3, [10**6], True,
+                                             params=SamplingParams(), sample_ids=("bad",))])
+    with pytest.raises(ValueError, match="outside the cache's 20 blocks"):
+        llm.llm_engine.worker.execute_model(bad)  # the same error on both ranks
+    assert llm.llm_engine.worker.dead is None
+    expected = engines.get("llama").generate(prompts()[:2], greedy(), use_tqdm=False)
+    assert_same_outputs(expected, llm.generate(prompts()[:2], greedy(), use_tqdm=False))
+
+
 @pytest.mark.parametrize("model", ["qwen2", "qwen3"])
 def test_greedy_tokens_and_logprobs_match_one_rank(engines, model):
     check_greedy(engines, model)
