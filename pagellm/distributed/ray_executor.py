@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from pagellm.core.plan import ModelRunnerOutput, SchedulerOutput
-from pagellm.distributed.executor import TIMEOUT_S, WorkerDiedError, worker_plan
+from pagellm.distributed.executor import (STRAGGLER_GRACE_S, TIMEOUT_S, WorkerDiedError,
+                                          worker_plan)
 from pagellm.distributed.parallel_state import destroy_distributed, free_port, init_distributed
 
 logger = logging.getLogger("pagellm")
@@ -122,7 +123,7 @@ class RayExecutor:
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         if self.dead is not None:
             raise WorkerDiedError(self.dead)
@@ -134,15 +135,33 @@ class RayExecutor:
             output = self.driver.worker.execute_model(plan)
         except Exception as exc:  # noqa: BLE001 - decided once the actors answered
             error = exc
-        try:
-            ray.get(refs, timeout=TIMEOUT_S)
-        except (RayActorError, GetTimeoutError) as exc:
-            self.dead = f"a tensor-parallel Ray actor failed: {exc}"
-            self._kill_actors()
-            raise WorkerDiedError(self.dead) from exc
-        if error is not None:
-            raise error
+        # after a failure here the actors may be blocked in a collective this rank left
+        timeout = STRAGGLER_GRACE_S if error is not None else TIMEOUT_S
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            raise self._fail(f"{len(pending)} tensor-parallel Ray actor(s) did not answer "
+                             f"within {timeout:.0f} s")
+        failures = []
+        for rank, ref in enumerate(refs, start=1):
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                raise self._fail(f"the tensor-parallel Ray actor of rank {rank} died: "
+                                 f"{exc}") from exc
+            except RayTaskError as exc:
+                failures.append(f"rank {rank} failed the step: {exc}")
+        if error is not None and len(failures) in (0, len(refs)):
+            raise error  # the same failure on every rank, or only in this rank's sampling
+        if failures:
+            raise self._fail("the tensor-parallel ranks are out of step: " + "; ".join(failures))
         return output
+
+    def _fail(self, reason: str) -> WorkerDiedError:
+        if self.dead is None:
+            self.dead = reason
+            logger.error("%s: stopping the other tensor-parallel ranks", reason)
+        self._kill_actors()
+        return WorkerDiedError(self.dead)
 
     def _kill_actors(self) -> None:
         import ray

@@ -8,7 +8,8 @@ import pytest
 from tp_engines import BASE_KWARGS, assert_same_outputs, greedy, prompts
 
 import pagellm
-from pagellm import LLM
+from pagellm import LLM, SamplingParams
+from pagellm.core.plan import ScheduledSequence, SchedulerOutput
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,12 @@ def test_ray_actors_give_the_same_tokens(engines, tiny_models, local_ray):
         executor = llm.llm_engine.worker
         assert len(executor.actors) == 1
         assert_same_outputs(expected, llm.generate(prompts(), params, use_tqdm=False))
+        bad = SchedulerOutput([ScheduledSequence("bad", [5, 6, 7], 0, 3, [10**6], True,
+                                                 params=SamplingParams(), sample_ids=("bad",))])
+        with pytest.raises(ValueError, match="outside the cache's"):  # on both ranks
+            executor.execute_model(bad)
+        assert executor.dead is None
+        assert_same_outputs(expected[:1], llm.generate(prompts()[:1], params, use_tqdm=False))
     finally:
         llm.shutdown()
     assert local_ray.util.placement_group_table(executor.placement_group)["state"] == "REMOVED"
