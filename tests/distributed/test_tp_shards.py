@@ -79,7 +79,32 @@ def test_four_ranks_replicate_two_kv_heads(tiny_models):
     check_shards(full, shards, 4)
 
 
-def test_gguf_shards_rebuild_the_model(tmp_path):
-    path, _ = write_tiny_gguf(tmp_path, "Q8_0")
+# F16: columns sliced by element; Q8_0: by 32-value blocks; Q4_K: 256-value blocks, which the
+# 128-column shards of o_proj do not fill (read as whole rows, then narrowed)
+@pytest.mark.parametrize("type_name", ["F16", "Q8_0", "Q4_K"])
+def test_gguf_shards_rebuild_the_model(tmp_path, type_name):
+    path, _ = write_tiny_gguf(tmp_path, type_name)
     full, shards = load_shards(path, 2)
     check_shards(full, shards, 2)
+
+
+def test_gguf_slices_read_rows_and_block_aligned_columns(tmp_path):
+    from pagellm.model.gguf_config import open_reader
+    from pagellm.model.gguf_loader import dequantize, unpermute_qk
+    from pagellm.model.gguf_slices import GGUFTensorSlice, _columns
+
+    path, _ = write_tiny_gguf(tmp_path, "Q8_0")
+    tensors = {t.name: t for t in open_reader(path).tensors}
+    down = tensors["blk.0.ffn_down.weight"]  # [256, 512]
+    lazy = GGUFTensorSlice(down, torch.float32)
+    full = dequantize(down)
+    assert lazy.get_shape() == [256, 512]
+    assert torch.equal(lazy[10:20], full[10:20])
+    assert torch.equal(lazy[:, 256:512], full[:, 256:512])
+    assert torch.equal(lazy[:], full)
+    # the columns' bytes only: 8 blocks of 32 values, 34 bytes each, per row
+    data, narrow_after = _columns(down.data, down.tensor_type, range(256, 512))
+    assert data.shape == (256, 8 * 34) and narrow_after is None
+    q = tensors["blk.0.attn_q.weight"]  # 4 heads of 64 rows, reordered by llama.cpp
+    lazy_q = GGUFTensorSlice(q, torch.float32, num_heads=4)
+    assert torch.equal(lazy_q[128:256], unpermute_qk(dequantize(q), 4)[128:256])
