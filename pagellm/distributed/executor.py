@@ -171,15 +171,23 @@ class MultiprocExecutor:
         ready = [False] * len(self.processes)
         deadline = time.monotonic() + TIMEOUT_S
         while thread.is_alive() or not all(ready):
-            for i in range(len(self.processes)):
-                if not ready[i]:
-                    ready[i] = self._poll_ready(i)
+            try:
+                for i in range(len(self.processes)):
+                    if not ready[i]:
+                        ready[i] = self._poll_ready(i)
+            except Exception:
+                # the ranks check the same things: prefer the driver's own error (a
+                # ValueError naming the setting) when it comes at about the same time
+                thread.join(2.0)
+                if "error" in result:
+                    raise result["error"] from None
+                raise
             thread.join(0.05)
+            if "error" in result:
+                raise result["error"]
             if time.monotonic() > deadline:
                 raise WorkerDiedError(f"the tensor-parallel ranks did not start within "
                                       f"{TIMEOUT_S:.0f} s (PAGELLM_TP_TIMEOUT_S)")
-        if "error" in result:
-            raise result["error"]
         return result["ok"]
 
     def _poll_ready(self, index: int) -> bool:

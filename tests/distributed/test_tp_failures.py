@@ -173,3 +173,13 @@ def test_worker_plans_carry_only_the_steps_tokens():
     assert len(pickle.dumps(worker_plan(plan))) < 1000
     with pytest.raises(IndexError, match="outside the plan's window"):
         item.token_ids[0:5]
+
+
+def test_a_kv_cache_too_small_is_refused_and_leaves_no_process(tiny_models):
+    children = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="the KV cache has 2 blocks of 16 tokens"):
+        LLM(str(tiny_models("llama")), tensor_parallel_size=2,
+            **{**BASE_KWARGS, "num_gpu_blocks_override": 2})
+    assert set(multiprocessing.active_children()) == children
+    llm = LLM(str(tiny_models("llama")), tensor_parallel_size=2, **BASE_KWARGS)  # and again
+    llm.shutdown()
