@@ -18,6 +18,7 @@ _PUBLIC = {
     "LLMEngine": "pagellm.core.engine",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
+    "LoRARequest": "pagellm.lora.request",
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 # leaving the rest to weights, activations and the swap space.
 CPU_KV_CACHE_RAM_SHARE = 0.10
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+MAX_LORA_RANK = 512
 _GiB = 1 << 30
 
 
@@ -51,6 +52,13 @@ class EngineArgs:
     # On CUDA, decode steps replay CUDA graphs captured at start-up (worker/cuda_graphs.py);
     # True runs every step eagerly (as the CPU always does).
     enforce_eager: bool = False
+    # LoRA adapters (docs/LORA.md): max_loras adapters on the device at once (one step uses
+    # at most that many), of rank <= max_lora_rank; max_cpu_loras loaded in CPU memory
+    # (default: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field, its value and its limit."""
@@ -87,6 +95,27 @@ class EngineArgs:
                "must be 'auto', 'vllm' or a folder holding generation_config.json")
         _check(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager,
                "must be True or False")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        _check(isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora,
+               "must be True or False")
+        _int_at_least("max_loras", self.max_loras, 1)
+        _int_at_least("max_lora_rank", self.max_lora_rank, 1)
+        _check(self.max_lora_rank <= MAX_LORA_RANK, "max_lora_rank", self.max_lora_rank,
+               f"must be <= {MAX_LORA_RANK}")
+        if self.max_cpu_loras is not None:
+            _int_at_least("max_cpu_loras", self.max_cpu_loras, 1)
+            _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", self.max_cpu_loras,
+                   f"must be >= max_loras={self.max_loras}")
+        if self.enable_lora and self.max_loras > self.max_num_seqs:
+            raise ValueError(f"max_loras={self.max_loras} is invalid: must be <= "
+                             f"max_num_seqs={self.max_num_seqs} (a step holds at most one "
+                             "adapter per sequence)")
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @property
     def swap_space_bytes(self) -> int:

@@ -54,6 +54,16 @@ _COUNTERS = (
     ("pagellm:generation_tokens", "Tokens generated.", "generation_tokens_total"),
 )
 
+# With LoRA enabled: (metric name, help, key of EngineStats.lora, counter?)
+_LORA = (
+    ("pagellm:lora_adapters_resident", "LoRA adapters in device slots.", "num_resident", False),
+    ("pagellm:lora_adapters_registered", "LoRA adapters known to the engine.",
+     "num_registered", False),
+    ("pagellm:lora_loads", "LoRA adapters read from disk.", "num_loads", True),
+    ("pagellm:lora_slot_evictions", "LoRA adapters pushed out of a device slot.",
+     "num_slot_evictions", True),
+)
+
 
 class _StatsCollector(Collector):
     """Exports the newest EngineStats snapshot; replaced atomically by the engine loop."""
@@ -73,6 +83,11 @@ class _StatsCollector(Collector):
         for name, doc, attr in _COUNTERS:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(getattr(stats, attr)))
+            yield family
+        for name, doc, key, counter in _LORA if stats.lora else ():
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+                name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(stats.lora[key]))
             yield family
 
 

@@ -25,6 +25,7 @@ from pagellm.config import EngineArgs
 from pagellm.core.engine import EngineDeadError, LLMEngine, PromptType
 from pagellm.core.kv_view import MetricsHistory
 from pagellm.core.stats import EngineStats
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -54,6 +55,7 @@ class NewRequest:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class OutputStream:
@@ -211,6 +213,16 @@ class AsyncLLMEngine:
         finally:
             self.release(stream)
 
+    async def run_on_engine(self, fn: Callable, *args):
+        """Call ``fn(*args)`` on the engine loop thread, between steps (the engine is not
+        thread-safe): e.g. registering a LoRA adapter. Its exception is raised here."""
+        self._check_accepting()
+        if self._loop is None:
+            raise RuntimeError("AsyncLLMEngine.start() has not been called")
+        done: asyncio.Future = self._loop.create_future()
+        self._submit(("call", fn, args, done))
+        return await done
+
     def release(self, stream: OutputStream) -> None:
         """Forget a stream and abort its unfinished requests (no-op for finished ones)."""
         for rid in stream.request_ids:
@@ -299,6 +311,15 @@ class AsyncLLMEngine:
             return self.engine.abort_request(command[1])
         if kind == "abort_all":
             return self.engine.abort_all()
+        if kind == "call":
+            _, fn, args, done = command
+            try:
+                result = fn(*args)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                self._call_on_loop(_settle, done, exc)
+            else:
+                self._call_on_loop(_settle, done, None, result)
+            return []
         if kind == "kv_view":
             view = self.engine.get_kv_view(self._history.points())
             self._call_on_loop(_settle, command[1], None, view)
@@ -308,7 +329,7 @@ class AsyncLLMEngine:
         try:
             for r in requests:
                 self.engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority,
-                                        cache_salt=r.cache_salt)
+                                        cache_salt=r.cache_salt, lora_request=r.lora_request)
                 done.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, engine unharmed
             self.engine.abort_request(done)

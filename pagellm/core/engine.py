@@ -35,6 +35,7 @@ from pagellm.core.request import Request
 from pagellm.core.scheduler import StepUpdate
 from pagellm.core.kv_view import build_kv_view
 from pagellm.core.stats import EngineStats, StatsTracker
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestMetrics, RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -99,11 +100,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. Raises ValueError for anything that could never run.
 
         Fields of ``params`` the caller did not set take the model's recommended values
-        (``default_sampling``, from generation_config.json)."""
+        (``default_sampling``, from generation_config.json). ``lora_request``: run it with that
+        adapter (loaded and checked now; its KV blocks are cached apart from other adapters')."""
         params = (params or SamplingParams()).with_defaults(self.default_sampling)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -111,9 +114,13 @@ class LLMEngine:
         self._validate_prompt(token_ids)
         self._validate_params(params)
         max_tokens = self._resolve_max_tokens(len(token_ids), params)
+        extra_keys = (cache_salt,) if cache_salt else ()
+        if lora_request is not None:
+            self.add_lora(lora_request)
+            extra_keys = (lora_request.cache_key, *extra_keys)
         request = Request(request_id, text, token_ids, params, max_tokens, priority=priority,
                           arrival_time=arrival_time or time.time(), seq_no=next(self._seq_counter),
-                          extra_keys=(cache_salt,) if cache_salt else ())
+                          extra_keys=extra_keys, lora_request=lora_request)
         request.metrics = RequestMetrics(arrival_time=request.arrival_time)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
@@ -158,6 +165,29 @@ class LLMEngine:
                 f"prompt ({num_prompt} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{num_prompt + params.max_tokens} exceeds max_model_len={self.max_model_len}")
         return params.max_tokens
+
+    # ------------------------------------------------------------------ adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter and load it (ValueError when LoRA is off or it cannot be
+        served). True once registered, as vLLM."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if self.worker.lora_manager is None:
+            raise ValueError(f"a request asks for LoRA adapter {lora_request.lora_name!r} but "
+                             "the engine was started without enable_lora=True")
+        self.worker.lora_manager.add_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests already queued with it still finish (it is loaded
+        again from its folder if needed). False when it was not registered."""
+        manager = self.worker.lora_manager
+        return manager is not None and manager.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        manager = self.worker.lora_manager
+        return [] if manager is None else manager.list_loras()
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests (unknown ids are ignored); their blocks are freed at once. Returns
@@ -284,7 +314,10 @@ class LLMEngine:
         self.worker.shutdown()
 
     def get_stats(self) -> EngineStats:
-        return self.stats.snapshot(self.scheduler, self.kv)
+        stats = self.stats.snapshot(self.scheduler, self.kv)
+        if self.worker.lora_manager is not None:
+            stats.lora = self.worker.lora_manager.get_stats()
+        return stats
 
     def get_kv_view(self, history: Iterable[dict[str, float]] = ()) -> dict[str, Any]:
         """The block map, its sequences and the statistics, taken together (core/kv_view.py)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pagellm.lora.request import LoRARequest
     from pagellm.sampling_params import SamplingParams
 
 BlockPairs = list[tuple[int, int]]  # (src, dst) block ids
@@ -27,7 +28,8 @@ class ScheduledSequence:
     the sequence samples: ``len(sample_ids)`` tokens from that one row (more than one for the
     first sample of a request with ``n > 1``: sample i goes to sequence ``sample_ids[i]``,
     forked from this one after the step). ``need_prompt_logits``: also return the logprobs of
-    the prompt tokens this chunk predicts (``prompt_logprobs`` of them).
+    the prompt tokens this chunk predicts (``prompt_logprobs`` of them). ``lora_request``: the
+    adapter its tokens run with (None: the base model).
     """
 
     seq_id: str
@@ -41,6 +43,7 @@ class ScheduledSequence:
     num_prompt_tokens: int = 0
     params: SamplingParams | None = None
     sample_ids: tuple[str, ...] = ()
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

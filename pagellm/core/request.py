@@ -19,6 +19,7 @@ from pagellm.outputs import Logprob, RequestMetrics
 if TYPE_CHECKING:
     from pagellm.core.detokenizer import IncrementalDetokenizer
     from pagellm.core.stop_strings import StopStringMatcher
+    from pagellm.lora.request import LoRARequest
     from pagellm.sampling_params import SamplingParams
 
 
@@ -111,6 +112,7 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     prompt_logprobs_sent: bool = False  # a DELTA output carries them once
     stop_matcher: StopStringMatcher | None = None  # StopStringMatcher of params.stop, built on first use
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:

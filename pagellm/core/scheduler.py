@@ -22,6 +22,11 @@ withdrawn when its sequences end), forks ``n > 1`` requests, appends tokens, app
 token-level stop conditions (EOS, stop token ids, length) and frees finished sequences. Stop
 strings need the text, so the output processor checks them and calls ``finish``.
 
+With LoRA, a step holds sequences of at most ``max_loras`` distinct adapters (the device's
+adapter slots): a sequence whose adapter would be one too many is left for a later step
+(a running one keeps its blocks; a waiting one keeps its place, and the ones behind it may
+be admitted).
+
 Allocation is all or nothing per sequence (the KV cache manager guarantees it), so a sequence
 that does not fit leaves no trace.
 """
@@ -49,6 +54,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str | None = None  # "swap", "recompute", or None: swap while room
     policy: str = "fcfs"  # or "priority"
+    max_loras: int | None = None  # distinct adapters in one step (None: no limit)
 
 
 @dataclass(slots=True)
@@ -85,6 +91,7 @@ class Scheduler:
         self.num_swap_ins = 0
         self._pending_copies: list[tuple[int, int]] = []  # forks' copies, for the next plan
         self._finished_seq_ids: list[str] = []
+        self._step_loras: set[int] = set()  # adapter ids in the plan being built
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> Sequence:
@@ -142,6 +149,7 @@ class Scheduler:
         out = SchedulerOutput(blocks_to_copy=self._pending_copies,
                               finished_seq_ids=self._finished_seq_ids)
         self._pending_copies, self._finished_seq_ids = [], []
+        self._step_loras = set()
         budget = [self.config.max_num_batched_tokens]
         if self.use_priority:
             self._preempt_for_waiting(out)
@@ -168,7 +176,7 @@ class Scheduler:
         queue = sorted(decodes, key=self._key) + sorted(prefills, key=self._key)
         preempted: set[str] = set()
         for i, seq in enumerate(queue):
-            if seq.seq_id in preempted:
+            if seq.seq_id in preempted or not self._lora_fits(seq):
                 continue
             num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget[0])
             if num_new == 0:
@@ -195,7 +203,8 @@ class Scheduler:
             if first_waiting is not None and self._key(first_waiting) < self._key(seq):
                 break  # a waiting sequence comes first (e.g. the one a preemption made room for)
             num_new = self._num_new_tokens(seq, seq.num_computed_tokens, budget[0])
-            if num_new == 0 or self._num_seats() + self.seats(seq) > self.config.max_num_seqs:
+            if (num_new == 0 or self._num_seats() + self.seats(seq) > self.config.max_num_seqs
+                    or not self._lora_fits(seq)):
                 break
             # Swap in only when its blocks and those for its next tokens fit; otherwise the
             # step would have to undo a swap-in whose copies it never made.
@@ -214,12 +223,16 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
         self.waiting.sort(key=self._key)
         first_swapped = min(map(self._key, self.swapped), default=None)
-        while self.waiting and budget[0] > 0:
-            seq = self.waiting[0]
+        index = 0  # waiting[:index]: passed over this step, for their adapter
+        while index < len(self.waiting) and budget[0] > 0:
+            seq = self.waiting[index]
             if first_swapped is not None and self._key(seq) > first_swapped:
                 break  # swapped-out sequences come first
             if self._num_seats() + self.seats(seq) > self.config.max_num_seqs:
                 break
+            if not self._lora_fits(seq):
+                index += 1
+                continue
             request = seq.request
             prefix = None
             if not request.wants_prompt_logprobs:
@@ -234,7 +247,7 @@ class Scheduler:
                                             watermark=bool(self.running))
             if copies is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
             if seq.index == 0 and request.num_cached_tokens is None:
@@ -246,7 +259,18 @@ class Scheduler:
                      copies: list[tuple[int, int]], budget: list[int]) -> None:
         out.blocks_to_copy.extend(copies)
         budget[0] -= num_new
+        lora = seq.request.lora_request
+        if lora is not None:
+            self._step_loras.add(lora.lora_int_id)
         out.scheduled.append(self._scheduled(seq, num_new))
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether the step can take ``seq`` without one adapter too many."""
+        lora = seq.request.lora_request
+        limit = self.config.max_loras
+        if lora is None or limit is None or lora.lora_int_id in self._step_loras:
+            return True
+        return len(self._step_loras) < limit
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         request = seq.request
@@ -262,7 +286,7 @@ class Scheduler:
         return ScheduledSequence(
             seq.seq_id, seq.token_ids, start, num_new, self.kv.get_block_table(seq.seq_id),
             samples, k is not None and seq.index == 0 and start < request.num_prompt_tokens - 1,
-            k or 0, request.num_prompt_tokens, params, sample_ids)
+            k or 0, request.num_prompt_tokens, params, sample_ids, request.lora_request)
 
     # ------------------------------------------------------------------ preemption
     def _preempt_for_waiting(self, out: SchedulerOutput) -> None:

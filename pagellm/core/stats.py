@@ -42,6 +42,7 @@ class EngineStats:
     num_free_cpu_blocks: int
     external_fragmentation: float
     seq_block_counts: dict = field(default_factory=dict)
+    lora: dict = field(default_factory=dict)  # adapter caches (LoRAManager.get_stats)
 
     @property
     def num_swaps(self) -> int:

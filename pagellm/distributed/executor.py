@@ -120,6 +120,9 @@ class MultiprocExecutor:
     plan sent to it; once set, the executor refuses to run and every worker is stopped.
     """
 
+    # the Worker's interface; LoRA is refused with tensor parallelism (check_tensor_parallel)
+    lora_manager = None
+
     def __init__(self, spec: Any, device: torch.device) -> None:
         from pagellm.worker.engine_setup import build_rank_worker
 

@@ -57,6 +57,9 @@ class RayExecutor:
 
     Invariant: while ``dead`` is None every actor has answered every plan sent to it."""
 
+    # the Worker's interface; LoRA is refused with tensor parallelism (check_tensor_parallel)
+    lora_manager = None
+
     def __init__(self, spec: Any, device: torch.device) -> None:
         import ray
         from ray.util.placement_group import placement_group

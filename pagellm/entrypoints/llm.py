@@ -8,6 +8,7 @@ from typing import Any
 
 from pagellm.config import EngineArgs
 from pagellm.core.engine import LLMEngine, PromptType
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -42,18 +43,22 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. ``lora_request``: one
+        adapter for every prompt, or one (or None) per prompt."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority") if priority else None
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
         ids = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = str(next(self._request_counter))
                 self.llm_engine.add_request(rid, prompt, _final_only(params[i]),
-                                            priority=priorities[i] if priorities else 0)
+                                            priority=priorities[i] if priorities else 0,
+                                            lora_request=loras[i])
                 ids.append(rid)
             return self._run_engine(ids, use_tqdm)
         except BaseException:
@@ -65,14 +70,17 @@ class LLM:
     def chat(self, messages: ChatMessages | Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
         prompts = [{"prompt_token_ids": list(_apply_template(tokenizer, conv,
                                                              add_generation_prompt, chat_template))}
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

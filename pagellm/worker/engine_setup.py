@@ -8,6 +8,7 @@ available at start-up. ``num_gpu_blocks_override`` wins over both.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pagellm.config import CPU_KV_CACHE_RAM_SHARE, EngineArgs
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
 from pagellm.distributed.parallel_state import TensorParallelGroup, single_device_group
 from pagellm.kv import ContiguousKVCacheManager, KVCacheManager
+from pagellm.lora.manager import LoRAManager
 from pagellm.model.generation_config import load_generation_defaults
 from pagellm.model.layers.linear import heads_per_rank
 from pagellm.model.loader import (get_tokenizer, load_config, load_model, resolve_dtype,
@@ -112,7 +114,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
     device = resolve_device(args.device)
     path = resolve_model_path(args.model)
     hf_config = load_config(path)
-    check_tensor_parallel(args.tensor_parallel_size, hf_config, device)
+    check_tensor_parallel(args.tensor_parallel_size, hf_config, device, args.enable_lora)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     tokenizer = get_tokenizer(args.tokenizer or path)
     generation = load_generation_defaults(path, args.generation_config)
@@ -133,7 +135,8 @@ def build_components(args: EngineArgs) -> EngineComponents:
     scheduler = Scheduler(SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        preemption_mode=args.preemption_mode, policy=args.scheduling_policy), kv, eos_token_ids)
+        preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
+        max_loras=args.max_loras if args.enable_lora else None), kv, eos_token_ids)
     local = rank.worker
     return EngineComponents(device, local.runner.model.config, tokenizer, max_model_len,
                             num_gpu_blocks, num_cpu_blocks, kv, local.cache_engine, local.runner,
@@ -159,17 +162,22 @@ def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGr
     cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size,
                                spec.dtype, device, tp.world_size)
     runner = ModelRunner(model, cache_engine, device)
+    lora_manager = _make_lora_manager(args, model, runner, device)
     _capture_decode_graphs(args, runner, device, spec.max_model_len)
     sampler = Sampler(hf_config.vocab_size, spec.eos_token_ids)
-    worker = Worker(cache_engine, runner, sampler, device, is_driver=tp.is_first)
+    worker = Worker(cache_engine, runner, sampler, device, lora_manager, is_driver=tp.is_first)
     return RankWorker(worker, num_gpu_blocks, num_cpu_blocks, block_bytes)
 
 
-def check_tensor_parallel(tp_size: int, hf_config: Any, device: torch.device) -> None:
+def check_tensor_parallel(tp_size: int, hf_config: Any, device: torch.device,
+                          enable_lora: bool = False) -> None:
     """Refuse a tensor_parallel_size the model's heads or the devices cannot take, naming
     both numbers."""
     if tp_size == 1:
         return
+    if enable_lora:
+        raise ValueError(f"enable_lora=True with tensor_parallel_size={tp_size}: LoRA adapters "
+                         "are not split over ranks; use tensor_parallel_size=1 with LoRA")
     heads_per_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size)
     if hf_config.intermediate_size % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's "
@@ -177,6 +185,19 @@ def check_tensor_parallel(tp_size: int, hf_config: Any, device: torch.device) ->
     if device.type == "cuda" and tp_size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={tp_size} exceeds the "
                          f"{torch.cuda.device_count()} CUDA device(s) of this machine")
+
+
+def _make_lora_manager(args: EngineArgs, model, runner: ModelRunner,
+                       device: torch.device) -> LoRAManager | None:
+    """With enable_lora: wrap the projections in LoRA layers (after the KV cache sizing, so
+    the profiled peak ignores the small adapter slots) and give the runner their step state."""
+    if not args.enable_lora:
+        return None
+    use_triton = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    manager = LoRAManager(model, args.max_loras, args.max_lora_rank,
+                          args.resolved_max_cpu_loras, use_triton=use_triton)
+    runner.lora_state = manager.state
+    return manager
 
 
 def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.device,
@@ -189,6 +210,9 @@ def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.
     if args.tensor_parallel_size > 1:
         logger.info("CUDA graphs off: tensor parallelism runs every step eagerly (capturing "
                     "the collectives has not been tested)")
+        return
+    if args.enable_lora:
+        logger.info("CUDA graphs off: LoRA steps run eagerly")
         return
     if not runs_triton(device):
         logger.info("CUDA graphs off: attention does not run the Triton kernels "

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from pagellm.attention import AttentionMetadata
+from pagellm.lora.layers import LoRAStepState
+from pagellm.lora.ops import LoRABatch
 from pagellm.model.decoder import CausalLM
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
@@ -50,6 +52,7 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64, packed prefills first
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_rows] int64: packed token of each returned row
+    lora_batch: LoRABatch | None = None  # the tokens by adapter slot (None: no adapter)
 
 
 class ModelRunner:
@@ -65,6 +68,8 @@ class ModelRunner:
         # Set by capture_decode_graphs (CUDA, unless enforce_eager): decode-only steps replay
         # a captured graph; everything else runs the model eagerly.
         self.decode_graphs: DecodeGraphRunner | None = None
+        # Set with enable_lora: the per-step token -> adapter slot map the LoRA layers read.
+        self.lora_state: LoRAStepState | None = None
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture the decode forward for batch sizes up to ``max_num_seqs`` (cuda_graphs.py)."""
@@ -75,13 +80,17 @@ class ModelRunner:
         self.decode_graphs = graphs
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, batch: list[ScheduledSeq], lora_slots: list[int] | None = None
+                ) -> torch.Tensor:
         """float32 logits [rows, vocab]: per sequence in batch order, ``num_new_tokens`` rows
         if need_prompt_logits, else 1 row (its last computed token) if need_logits, else none.
-        The vocabulary projection runs only on those rows."""
+        The vocabulary projection runs only on those rows. ``lora_slots``: each sequence's
+        adapter slot (-1: none), None when no sequence has one."""
         if not batch:
             return torch.empty(0, self.vocab_size, device=self.device)
-        inputs = self.prepare_inputs(batch)
+        inputs = self.prepare_inputs(batch, lora_slots)
+        if self.lora_state is not None:
+            self.lora_state.batch = inputs.lora_batch
         hidden = None
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.metadata)
@@ -92,7 +101,8 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[inputs.logits_indices]).float()
 
-    def prepare_inputs(self, batch: list[ScheduledSeq]) -> ModelInput:
+    def prepare_inputs(self, batch: list[ScheduledSeq], lora_slots: list[int] | None = None
+                       ) -> ModelInput:
         """Pack the batch (prefills, then decodes), validate it, build the step's metadata."""
         for seq in batch:
             self._check(seq)
@@ -111,8 +121,12 @@ class ModelRunner:
                                or int(tables.max()) >= self.cache_engine.num_blocks):
             raise ValueError(f"the block tables hold ids outside the cache's "
                              f"{self.cache_engine.num_blocks} blocks")
+        lora_batch = None
+        if lora_slots is not None:
+            token_slots = [lora_slots[i] for i, n in zip(order, query_lens) for _ in range(n)]
+            lora_batch = LoRABatch.build(token_slots, self.device)
         return ModelInput(torch.tensor(input_ids, dtype=torch.int64).to(self.device), metadata,
-                          self._logits_indices(batch, order, query_lens))
+                          self._logits_indices(batch, order, query_lens), lora_batch)
 
     def _logits_indices(self, batch: list[ScheduledSeq], order: list[int],
                         query_lens: list[int]) -> torch.Tensor:

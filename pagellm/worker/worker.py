@@ -16,6 +16,7 @@ import torch
 
 from pagellm.core.plan import (ModelRunnerOutput, PromptLogprob, SampledToken,
                                ScheduledSequence, SchedulerOutput)
+from pagellm.lora.manager import LoRAManager
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.model_runner import ModelRunner, logits_rows
 from pagellm.worker.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_logprobs,
@@ -28,13 +29,15 @@ class Worker:
     finished, so a seeded sample depends only on its seed, its index and its own history."""
 
     def __init__(self, cache_engine: CacheEngine, runner: ModelRunner, sampler: Sampler,
-                 device: torch.device, is_driver: bool = True) -> None:
+                 device: torch.device, lora_manager: LoRAManager | None = None,
+                 is_driver: bool = True) -> None:
         self.cache_engine = cache_engine
         self.runner = runner
         self.sampler = sampler
         self.device = device
         self.is_driver = is_driver
         self.generators: dict[str, torch.Generator] = {}
+        self.lora_manager = lora_manager  # the adapter slots, with enable_lora
 
     def shutdown(self) -> None:
         """Nothing to stop in one process (the executors' shutdown stops their workers)."""
@@ -46,7 +49,7 @@ class Worker:
         output = ModelRunnerOutput()
         if plan.is_empty:
             return output
-        logits = self.runner.execute(plan.scheduled)  # [rows, vocab], rows as runner documents
+        logits = self.runner.execute(plan.scheduled, self._lora_slots(plan))  # [rows, vocab]
         if not self.is_driver:
             return output
         sample_rows: list[int] = []
@@ -70,6 +73,15 @@ class Worker:
             for i, (item, _) in enumerate(sample_seqs):
                 output.sampled.setdefault(item.seq_id, []).append(_sampled_token(sampled, i))
         return output
+
+    def _lora_slots(self, plan: SchedulerOutput) -> list[int] | None:
+        """The adapter slot of each scheduled sequence (-1: none), its adapters made resident;
+        None when no sequence of the step has an adapter."""
+        loras = [item.lora_request for item in plan.scheduled]
+        if self.lora_manager is None or not any(loras):
+            return None
+        slots = self.lora_manager.activate(lora for lora in loras if lora is not None)
+        return [-1 if lora is None else slots[lora.lora_int_id] for lora in loras]
 
     def _apply_cache_ops(self, plan: SchedulerOutput) -> None:
         if plan.blocks_to_swap_out:

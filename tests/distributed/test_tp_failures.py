@@ -114,6 +114,8 @@ def test_heads_the_ranks_cannot_split_are_refused_before_anything_starts(tiny_mo
     with pytest.raises(ValueError, match=r"tensor_parallel_size=8 does not divide the "
                                          r"model's num_attention_heads=4"):
         LLM(str(tiny_models("qwen3")), tensor_parallel_size=8, **BASE_KWARGS)
+    with pytest.raises(ValueError, match=r"enable_lora=True with tensor_parallel_size=2"):
+        LLM(str(tiny_models("qwen2")), tensor_parallel_size=2, enable_lora=True, **BASE_KWARGS)
     assert set(multiprocessing.active_children()) == children
 
 

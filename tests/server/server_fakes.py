@@ -53,8 +53,10 @@ class FakeEngine:
         """LLMEngine.shutdown: no workers to stop here."""
 
     def add_request(self, request_id, prompt, params=None, priority=0, arrival_time=None,
-                    cache_salt=None) -> None:
+                    cache_salt=None, lora_request=None) -> None:
         self._touch()
+        if lora_request is not None:  # as the real engine without enable_lora
+            raise ValueError("the engine was started without enable_lora=True")
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

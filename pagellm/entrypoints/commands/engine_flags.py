@@ -46,6 +46,10 @@ HELP = {
                          "(default: auto)",
     "enforce_eager": "run every step eagerly: no CUDA graphs for decode steps (CUDA only; "
                      "the CPU never uses them)",
+    "enable_lora": "serve LoRA adapters (docs/LORA.md) beside the base model",
+    "max_loras": "LoRA adapters on the device at once: the most one step mixes",
+    "max_lora_rank": "the highest LoRA rank an adapter may have",
+    "max_cpu_loras": "LoRA adapters kept loaded in CPU memory (default: max_loras)",
 }
 POSITIONAL = ("model",)
 # Short spellings, as vLLM's.

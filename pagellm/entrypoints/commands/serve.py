@@ -29,6 +29,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use in requests; the first is reported in "
                         "responses (default: MODEL)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to serve, selected by the request's "
+                        "'model' field; needs --enable-lora")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: info)")
@@ -69,6 +72,17 @@ def _add_limit_flags(p) -> None:
                         "cache hits between tenants (default: shared)")
 
 
+def parse_lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
+    """``name=path`` items of --lora-modules; ValueError naming a malformed one."""
+    modules = []
+    for item in values:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path:
+            raise ValueError(f"--lora-modules {item!r} is invalid: expected NAME=PATH")
+        modules.append((name.strip(), path))
+    return tuple(modules)
+
+
 def run(args: argparse.Namespace) -> int:
     from pagellm.core.async_engine import AsyncLLMEngine
     from pagellm.entrypoints.openai.api_server import run_server
@@ -78,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is invalid: must be in [0, 65535]")
     engine_args = engine_args_from(args)
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     names = args.served_model_name or [args.model]
     metrics = EngineMetrics(names[0])
     stats_logger = StatsLogger(args.log_stats_interval)
@@ -96,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
                           header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                           timeout_keep_alive_s=args.timeout_keep_alive,
                           limit_concurrency=args.limit_concurrency,
-                          prefix_cache_isolation=args.prefix_cache_isolation)
+                          prefix_cache_isolation=args.prefix_cache_isolation,
+                          lora_modules=lora_modules)
     run_server(engine, args.model, config, metrics)
     return 0

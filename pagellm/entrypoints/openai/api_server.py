@@ -44,19 +44,22 @@ from pagellm.entrypoints.openai.serving import ServerContext
 from pagellm.entrypoints.openai.tokenization import TokenizerWorker, own_copy
 from pagellm.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from pagellm.entrypoints.openai.serving_completion import create_completion
+from pagellm.entrypoints.openai.serving_lora import LoRAModels, add_lora_routes
 from pagellm.metrics import EngineMetrics
 
 logger = logging.getLogger("pagellm")
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: EngineMetrics,
               config: ServerConfig | None = None) -> FastAPI:
-    """The FastAPI app; the engine loop starts with the app and stops with it."""
+    """The FastAPI app; the engine loop starts with the app and stops with it. With LoRA
+    enabled, ``config.lora_modules`` are registered before the loop starts."""
     config = config or ServerConfig()
     ctx = ServerContext(engine=engine, tokenizer=own_copy(engine.tokenizer),
                         tokenization=TokenizerWorker(engine.tokenizer, engine.max_model_len),
                         served_model_names=list(served_model_names),
                         max_model_len=engine.max_model_len,
-                        prefix_cache_isolation=config.prefix_cache_isolation)
+                        prefix_cache_isolation=config.prefix_cache_isolation,
+                        loras=_lora_models(engine, config, served_model_names))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -75,6 +78,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
     app.add_middleware(RequestBodyGuard, max_bytes=config.max_request_body_bytes,
                        timeout_s=config.body_timeout_s)
     _add_openai_routes(app, ctx)
+    add_lora_routes(app, ctx.loras, ctx.served_model_names)
     _add_server_routes(app, ctx, metrics)
     return app
 
@@ -92,7 +96,20 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def models() -> dict:
         cards = [ModelCard(id=name, root=name, max_model_len=ctx.max_model_len)
                  for name in ctx.served_model_names]
+        if ctx.loras is not None:
+            cards += ctx.loras.cards(ctx.model_name, ctx.max_model_len)
         return ModelList(data=cards).model_dump(mode="json")
+
+
+def _lora_models(engine: AsyncLLMEngine, config: ServerConfig,
+                 served_model_names: list[str]) -> LoRAModels | None:
+    if not getattr(getattr(engine.engine, "args", None), "enable_lora", False):
+        if config.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    loras = LoRAModels(engine)
+    loras.add_at_start(list(config.lora_modules), list(served_model_names))
+    return loras
 
 
 def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics) -> None:

@@ -33,3 +33,4 @@ class ServerConfig:
     timeout_keep_alive_s: float = 5.0
     limit_concurrency: int = 1024
     prefix_cache_isolation: str = "shared"
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter folder), --lora-modules

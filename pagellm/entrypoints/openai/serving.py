@@ -17,6 +17,7 @@ from pagellm.core.async_engine import AsyncLLMEngine, NewRequest, OutputStream
 from pagellm.entrypoints.openai.errors import APIError, api_error_from_exception, error_body
 from pagellm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from pagellm.entrypoints.openai.tokenization import TokenizerWorker
+from pagellm.lora.request import LoRARequest
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -44,10 +45,23 @@ class ServerContext:
     served_model_names: list[str]
     max_model_len: int
     prefix_cache_isolation: str = "shared"
+    loras: Any = None  # LoRAModels (serving_lora.py) with --enable-lora
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def resolve_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); 404 for a
+        name that is neither."""
+        lora = None if self.loras is None else self.loras.get(name)
+        if lora is None:
+            self.check_model(name)
+        return lora
+
+    def response_model(self, name: str | None) -> str:
+        """The ``model`` of a response: the adapter's name, else the base model's."""
+        return name if self.loras is not None and self.loras.get(name) else self.model_name
 
     def check_model(self, name: str | None) -> None:
         # The served names are not listed: by default the first one is the local model path.

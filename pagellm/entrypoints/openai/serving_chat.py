@@ -43,7 +43,7 @@ async def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage],
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request):
-    ctx.check_model(req.model)
+    lora = ctx.resolve_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", 400, "top_logprobs")
     ids = await chat_prompt_ids(ctx, req.messages, req.add_generation_prompt)
@@ -53,7 +53,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     params = sampling_params(req, max_tokens, logprobs)
     request_id = random_id("chatcmpl")
     stream = await add_requests(ctx, [NewRequest(request_id, {"prompt_token_ids": ids}, params,
-                                                 req.priority, ctx.cache_salt(req, raw))])
+                                                 req.priority, ctx.cache_salt(req, raw),
+                                                 lora)])
     if req.stream:
         chunks = _stream_chunks(ctx, req, stream, request_id)
         return EventStreamResponse(sse_events(chunks))
@@ -62,8 +63,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                           logprobs=_logprobs(c.token_ids, c.logprobs, req, ctx),
                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                for c in output.outputs]
-    response = ChatCompletionResponse(id=request_id, model=ctx.model_name, choices=choices,
-                                      usage=usage_of([output]))
+    response = ChatCompletionResponse(id=request_id, model=ctx.response_model(req.model),
+                                      choices=choices, usage=usage_of([output]))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -106,10 +107,11 @@ async def _stream_chunks(ctx: ServerContext, req: ChatCompletionRequest, stream:
                            for choice in _stream_choices(ctx, req, tracker, request_id, c)]
                 if choices:
                     yield ChatCompletionChunk(id=request_id, created=created,
-                                              model=ctx.model_name,
+                                              model=ctx.response_model(req.model),
                                               choices=choices).model_dump(mode="json")
         if req.stream_options and req.stream_options.include_usage and tracker.prompt_tokens:
-            yield ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name,
+            yield ChatCompletionChunk(id=request_id, created=created,
+                                      model=ctx.response_model(req.model),
                                       choices=[], usage=tracker.usage()).model_dump(mode="json")
     finally:
         ctx.engine.release(stream)

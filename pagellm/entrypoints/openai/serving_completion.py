@@ -24,7 +24,7 @@ from pagellm.outputs import LogprobsDict, RequestOutput
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request):
-    ctx.check_model(req.model)
+    lora = ctx.resolve_model(req.model)
     if req.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -38,7 +38,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     base_id = random_id("cmpl")
     salt = ctx.cache_salt(req, raw)
     requests = [NewRequest(f"{base_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params,
-                           req.priority, salt)
+                           req.priority, salt, lora)
                 for i, (text, ids) in enumerate(prompts)]
     stream = await add_requests(ctx, requests)
     order = {r.request_id: i for i, r in enumerate(requests)}
@@ -51,8 +51,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     choices = [_choice(ctx, req, order[o.request_id], o, texts[order[o.request_id]])
                for o in outputs]
     choices = [c for group in choices for c in group]
-    response = CompletionResponse(id=base_id, model=ctx.model_name, choices=choices,
-                                  usage=usage_of(outputs))
+    response = CompletionResponse(id=base_id, model=ctx.response_model(req.model),
+                                  choices=choices, usage=usage_of(outputs))
     return JSONResponse(response.model_dump(mode="json"))
 
 
@@ -157,10 +157,12 @@ async def _stream_chunks(ctx: ServerContext, req: CompletionRequest, stream: Out
                         index=prompt_index * req.n + c.index, text=text, logprobs=logprobs,
                         finish_reason=d.finish_reason, stop_reason=d.stop_reason))
             if choices:
-                yield CompletionResponse(id=base_id, created=created, model=ctx.model_name,
+                yield CompletionResponse(id=base_id, created=created,
+                                         model=ctx.response_model(req.model),
                                          choices=choices).model_dump(mode="json")
         if req.stream_options and req.stream_options.include_usage:
-            yield CompletionResponse(id=base_id, created=created, model=ctx.model_name,
+            yield CompletionResponse(id=base_id, created=created,
+                                     model=ctx.response_model(req.model),
                                      choices=[], usage=tracker.usage()
                                      ).model_dump(mode="json")
     finally:
