@@ -29,6 +29,9 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     tensor_parallel_size: int = 1
+    # How the tensor-parallel ranks run: "mp" (worker processes on this host) or "ray"
+    # (Ray actors, on one host or a Ray cluster). See docs/TENSOR_PARALLEL.md.
+    distributed_executor_backend: str = "mp"
     gpu_memory_utilization: float = 0.90
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -68,10 +71,7 @@ class EngineArgs:
         _choice("dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _int_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not "
-                "supported yet; use tensor_parallel_size=1")
+        _choice("distributed_executor_backend", self.distributed_executor_backend, ("mp", "ray"))
         _check(isinstance(self.gpu_memory_utilization, (int, float))
                and 0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")

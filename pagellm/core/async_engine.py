@@ -158,7 +158,7 @@ class AsyncLLMEngine:
         self.abort(list(self._streams))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort what is left and stop the engine loop thread."""
+        """Abort what is left, stop the engine loop thread, then the engine's workers."""
         self.accepting = False
         with self._cond:
             self._commands.append(("abort_all",))
@@ -167,6 +167,7 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:

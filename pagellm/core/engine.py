@@ -246,6 +246,9 @@ class LLMEngine:
             return self._fail_unschedulable(plan)
         try:
             runner_output = self.worker.execute_model(plan)
+        except EngineDeadError as exc:  # e.g. a tensor-parallel worker died: no retry helps
+            self._fail_requests(self._plan_request_ids(plan), f"the engine died: {exc}")
+            raise
         except Exception as exc:  # noqa: BLE001 - attributed to the step's requests
             return self._fail_step(plan, exc)
         except BaseException as exc:  # interrupted: end the step's requests, then stop
@@ -327,6 +330,11 @@ class LLMEngine:
                          f"({self.num_gpu_blocks} blocks of {self.args.block_size} tokens)")
         logger.warning(request.error)
         return self.abort_request(request.request_id)
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes or actors (tensor parallelism); a no-op on one
+        device. The engine cannot step afterwards."""
+        self.worker.shutdown()
 
     def get_stats(self) -> EngineStats:
         stats = self.stats.snapshot(self.scheduler, self.kv)

@@ -32,6 +32,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (they also stop when the process exits)."""
+        self.llm_engine.shutdown()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without sampling params runs with: the engine's defaults, overridden
         by the model's generation_config.json unless ``generation_config="vllm"``."""

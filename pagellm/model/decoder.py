@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.attention import Attention, AttentionMetadata, KVCache
-from pagellm.model.layers import (Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding,
+from pagellm.model.layers import (MergedLinear, ParallelLMHead, QKVLinear, RMSNorm,
+                                  RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
                                   cpu_ops, pack_linear_weights)
 
 
@@ -48,15 +49,19 @@ def sliding_window_of(config: Any, layer_idx: int) -> int | None:
 
 
 class DecoderAttention(nn.Module):
+    """Under tensor parallelism: this rank's heads (qkv_proj column-parallel, o_proj
+    row-parallel), so the head counts here are the rank's."""
+
     def __init__(self, config: Any, spec: DecoderSpec, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                  config.num_key_value_heads, bias=spec.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, bias=spec.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=spec.o_proj_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias=spec.o_proj_bias)
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -92,7 +97,7 @@ class DecoderMLP(nn.Module):
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=spec.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size]
@@ -134,8 +139,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, spec: DecoderSpec) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, spec, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -169,7 +173,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, self.decoder_spec(config))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -190,5 +194,6 @@ class CausalLM(nn.Module):
         return pack_linear_weights(self, shared)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, hidden_size] -> logits [R, vocab_size] in the model dtype."""
+        """hidden [R, hidden_size] -> logits [R, vocab_size] in the model dtype (under tensor
+        parallelism on rank 0; the other ranks get [R, 0])."""
         return self.lm_head(hidden)

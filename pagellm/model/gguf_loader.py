@@ -99,15 +99,24 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype
+def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: bool = False
                          ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(transformers name, tensor in ``dtype``) for every tensor of the file, one at a time."""
+    """(transformers name, tensor in ``dtype``) for every tensor of the file, one at a time.
+    ``lazy``: a GGUFTensorSlice instead, which dequantizes only the rows or columns a weight
+    loader reads (a tensor-parallel rank's shard)."""
+    from pagellm.model.gguf_slices import GGUFTensorSlice
+
     permute = field_value(reader, "general.architecture") == "llama"
     heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
         name = hf_tensor_name(tensor.name)
+        if lazy:
+            module = name.rsplit(".", 2)[-2]
+            yield name, GGUFTensorSlice(tensor, dtype, heads[module]
+                                        if permute and module in heads else None)
+            continue
         value = dequantize(tensor, dtype)
         module = name.rsplit(".", 2)[-2]  # "q_proj" of "model.layers.0.self_attn.q_proj.weight"
         if permute and module in heads:
@@ -117,13 +126,16 @@ def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu",
-                    pack_weights: bool = True) -> tuple[CausalLM, Any]:
-    """Build the model of a GGUF file and load its dequantized weights: (model, hf_config)."""
+                    pack_weights: bool = True, tp: Any = None) -> tuple[CausalLM, Any]:
+    """Build the model of a GGUF file and load its dequantized weights: (model, hf_config).
+    Under tensor parallelism (``tp``) each rank dequantizes only its rows or columns of each
+    tensor (model/gguf_slices.py)."""
     from pagellm.model.loader import build_model, load_weights
 
     hf_config = load_gguf_config(path)
-    model = build_model(hf_config, dtype, device)
-    load_weights(model, iterate_gguf_weights(open_reader(path), hf_config, dtype))
+    model = build_model(hf_config, dtype, device, tp)
+    lazy = tp is not None and tp.world_size > 1
+    load_weights(model, iterate_gguf_weights(open_reader(path), hf_config, dtype, lazy))
     if pack_weights and torch.device(device).type == "cpu":
         model.pack_weights()
     return model.eval(), hf_config

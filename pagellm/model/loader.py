@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.distributed.parallel_state import (TensorParallelGroup, building,
+                                                single_device_group)
 from pagellm.model.decoder import CausalLM
 from pagellm.model.gguf_config import is_gguf_file, load_gguf_config
 from pagellm.model.layers import default_weight_loader
@@ -112,33 +114,37 @@ def load_config(path: str | Path) -> Any:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu",
-               allow_pickle: bool = False, pack_weights: bool = True) -> tuple[CausalLM, Any]:
+               allow_pickle: bool = False, pack_weights: bool = True,
+               tp: TensorParallelGroup | None = None) -> tuple[CausalLM, Any]:
     """Build the model of the folder's config.json (or of a GGUF file) and load its weights:
-    (model, hf_config).
+    (model, hf_config). With a tensor-parallel group ``tp``: this rank's shard, reading only
+    its rows and columns of each safetensors tensor.
 
     On the CPU the projections are then packed for oneDNN (CausalLM.pack_weights) unless
     ``pack_weights`` is False."""
+    tp = tp or single_device_group()
     if is_gguf_file(path):
         from pagellm.model.gguf_loader import load_gguf_model
 
-        return load_gguf_model(path, dtype, device, pack_weights)
+        return load_gguf_model(path, dtype, device, pack_weights, tp)
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"model folder {str(path)!r} has no config.json")
     hf_config = load_config(path)
     files = weight_files(path, allow_pickle)
-    model = build_model(hf_config, dtype, device)
-    load_weights(model, iterate_weights(files))
+    model = build_model(hf_config, dtype, device, tp)
+    load_weights(model, iterate_weights(files, lazy=tp.world_size > 1))
     if pack_weights and torch.device(device).type == "cpu":
         model.pack_weights()
     return model.eval(), hf_config
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """The model of ``hf_config``'s architecture, its parameters created in ``dtype`` on
-    ``device`` (and left unset: a weight loader fills them)."""
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,
+                tp: TensorParallelGroup | None = None) -> CausalLM:
+    """The model of ``hf_config``'s architecture (``tp``'s rank's shard of it), its parameters
+    created in ``dtype`` on ``device`` (and left unset: a weight loader fills them)."""
     model_class = get_model_class(hf_config)
-    with _default_dtype(dtype), torch.device(device):
+    with _default_dtype(dtype), torch.device(device), building(tp or single_device_group()):
         return model_class(hf_config)
 
 
@@ -166,15 +172,18 @@ def weight_files(path: Path, allow_pickle: bool = False) -> list[Path]:
     raise ModelNotFoundError(f"no weights (*.safetensors) in model folder {str(path)!r}")
 
 
-def iterate_weights(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the files, one file open at a time."""
+def iterate_weights(files: Iterable[Path], lazy: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the files, one file open at a time. ``lazy``: a
+    safetensors slice instead of the tensor, read by the weight loader (a tensor-parallel
+    rank reads only its shard)."""
     from safetensors import safe_open
 
     for file in files:
         if file.suffix == ".safetensors":
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
         else:
             state = torch.load(file, map_location="cpu", weights_only=True)
             yield from state.items()

@@ -31,6 +31,7 @@ import torch
 from pagellm.attention import KVCache
 from pagellm.kv.memory import KVMemoryModel
 from pagellm.model.decoder import head_dim_of
+from pagellm.model.layers.linear import heads_per_rank
 
 
 class CacheEngine:
@@ -43,7 +44,8 @@ class CacheEngine:
     """
 
     def __init__(self, hf_config: Any, num_blocks: int, num_cpu_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, tp_size: int = 1) -> None:
+        """``tp_size``: under tensor parallelism the cache holds this rank's KV heads only."""
         if block_size <= 0 or num_blocks < 0 or num_cpu_blocks < 0:
             raise ValueError(f"bad cache shape: num_blocks={num_blocks}, "
                              f"num_cpu_blocks={num_cpu_blocks}, block_size={block_size}")
@@ -51,7 +53,8 @@ class CacheEngine:
         self.dtype = dtype
         self.num_blocks, self.num_cpu_blocks, self.block_size = num_blocks, num_cpu_blocks, block_size
         self.num_layers = hf_config.num_hidden_layers
-        self.num_kv_heads = hf_config.num_key_value_heads
+        self.num_kv_heads = heads_per_rank(hf_config.num_attention_heads,
+                                           hf_config.num_key_value_heads, tp_size)[1]
         self.head_dim = head_dim_of(hf_config)
         block_shape = (block_size, self.num_kv_heads, self.head_dim)
         self.device_cache = _allocate_zeroed((self.num_layers, 2, num_blocks, *block_shape),
@@ -68,11 +71,13 @@ class CacheEngine:
         self.in_flight = InFlightCopies()
 
     @staticmethod
-    def bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype,
+                        tp_size: int = 1) -> int:
         """K and V of ``block_size`` tokens over all layers, by the KV memory model
         (pagellm.kv.memory: 2 x layers x num_kv_heads x head_dim x dtype bytes per token), the
-        one formula kv-calc and the KV sizing share."""
-        return kv_memory_model(hf_config, dtype).bytes_per_block(block_size)
+        one formula kv-calc and the KV sizing share; one rank's KV heads under tensor
+        parallelism."""
+        return kv_memory_model(hf_config, dtype, tp_size).bytes_per_block(block_size)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy device block src -> dst for each (src, dst), all layers (copy-on-write)."""
@@ -183,13 +188,16 @@ class InFlightCopies:
             self._copies.pop(0)
 
 
-def kv_memory_model(hf_config: Any, dtype: torch.dtype) -> KVMemoryModel:
-    """The KV memory model of a loaded config, the cache stored in ``dtype``."""
+def kv_memory_model(hf_config: Any, dtype: torch.dtype, tp_size: int = 1) -> KVMemoryModel:
+    """The KV memory model of a loaded config, the cache stored in ``dtype`` (one rank's heads
+    under tensor parallelism)."""
+    num_heads, num_kv_heads = heads_per_rank(hf_config.num_attention_heads,
+                                             hf_config.num_key_value_heads, tp_size)
     return KVMemoryModel(
         name=str(getattr(hf_config, "model_type", "model")),
         num_layers=hf_config.num_hidden_layers,
-        num_attention_heads=hf_config.num_attention_heads,
-        num_kv_heads=hf_config.num_key_value_heads, head_dim=head_dim_of(hf_config),
+        num_attention_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim_of(hf_config),
         dtype=str(dtype).removeprefix("torch."))
 
 

@@ -19,9 +19,11 @@ import torch
 from pagellm.attention.layer import runs_triton
 from pagellm.config import CPU_KV_CACHE_RAM_SHARE, EngineArgs
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
+from pagellm.distributed.parallel_state import TensorParallelGroup, single_device_group
 from pagellm.kv import ContiguousKVCacheManager, KVCacheManager
 from pagellm.lora.manager import LoRAManager
 from pagellm.model.generation_config import load_generation_defaults
+from pagellm.model.layers.linear import heads_per_rank
 from pagellm.model.loader import (get_tokenizer, load_config, load_model, resolve_dtype,
                                   resolve_model_path)
 from pagellm.structured_outputs import GrammarCompiler
@@ -47,7 +49,7 @@ class EngineComponents:
     runner: ModelRunner
     sampler: Sampler
     scheduler: Scheduler
-    worker: Worker
+    worker: Any  # the Worker, or the tensor-parallel executor (the same execute_model)
     # SamplingParams field -> the model's recommended value (generation_config.json)
     default_sampling: dict[str, Any]
     # every token that ends a sequence: the tokenizer's EOS, the config's, the generation
@@ -89,45 +91,66 @@ def available_ram_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+@dataclass(slots=True)
+class RankSpec:
+    """What every tensor-parallel rank needs to build its worker (picklable: it travels to
+    the worker processes and Ray actors)."""
+
+    args: EngineArgs
+    path: str
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_batched_tokens: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(slots=True)
+class RankWorker:
+    worker: Worker
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_bytes: int
+
+
 def build_components(args: EngineArgs) -> EngineComponents:
     args.validate()
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
     path = resolve_model_path(args.model)
     hf_config = load_config(path)
+    check_tensor_parallel(args.tensor_parallel_size, hf_config, device, args.enable_lora)
     dtype = resolve_dtype(args.dtype, hf_config, device)
-    model, hf_config = load_model(path, dtype=dtype, device=device,
-                                  allow_pickle=args.allow_pickle_weights)
     tokenizer = get_tokenizer(args.tokenizer or path)
     generation = load_generation_defaults(path, args.generation_config)
     eos_token_ids = _eos_token_ids(tokenizer, hf_config) | generation.eos_token_ids
     max_model_len = resolve_max_model_len(args, hf_config)
     budget = args.resolve_max_num_batched_tokens(max_model_len)
-    block_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype)
-    num_gpu_blocks = _num_device_blocks(args, model, hf_config, dtype, device, block_bytes,
-                                        budget, max_model_len)
-    num_cpu_blocks = args.swap_space_bytes // block_bytes
-    _check_fits(args, num_gpu_blocks, max_model_len)
-    _log_sizing(args, num_gpu_blocks, num_cpu_blocks, block_bytes, max_model_len)
+    spec = RankSpec(args, str(path), dtype, max_model_len, budget, eos_token_ids)
+    if args.tensor_parallel_size == 1:
+        rank = build_rank_worker(spec, device, single_device_group())
+        worker = rank.worker
+    else:
+        from pagellm.distributed.executor import make_executor
+
+        worker, rank = make_executor(spec, device)
+    num_gpu_blocks, num_cpu_blocks = rank.num_gpu_blocks, rank.num_cpu_blocks
+    _log_sizing(args, num_gpu_blocks, num_cpu_blocks, rank.block_bytes, max_model_len)
     kv = _make_kv_manager(args, num_gpu_blocks, num_cpu_blocks, max_model_len)
-    cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size, dtype,
-                               device)
-    runner = ModelRunner(model, cache_engine, device)
-    lora_manager = _make_lora_manager(args, model, runner, device)
-    _capture_decode_graphs(args, runner, device, max_model_len)
-    sampler = Sampler(hf_config.vocab_size, eos_token_ids)
     scheduler = Scheduler(SchedulerConfig(
         max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
         preemption_mode=args.preemption_mode, policy=args.scheduling_policy,
         max_loras=args.max_loras if args.enable_lora else None), kv, eos_token_ids)
+    local = rank.worker
+    # Only the driver's worker samples (rank 0 under tensor parallelism): the grammar state of
+    # structured outputs lives there.
     grammar_compiler = GrammarCompiler(tokenizer, hf_config.vocab_size,
                                        _grammar_eos(tokenizer, eos_token_ids))
-    worker = Worker(cache_engine, runner, sampler, device, lora_manager,
-                    TokenMasks(grammar_compiler, hf_config.vocab_size))
-    return EngineComponents(device, hf_config, tokenizer, max_model_len, num_gpu_blocks,
-                            num_cpu_blocks, kv, cache_engine, runner, sampler, scheduler, worker,
-                            generation.sampling, eos_token_ids, grammar_compiler)
+    local.token_masks = TokenMasks(grammar_compiler, hf_config.vocab_size)
+    return EngineComponents(device, local.runner.model.config, tokenizer, max_model_len,
+                            num_gpu_blocks, num_cpu_blocks, kv, local.cache_engine, local.runner,
+                            local.sampler, scheduler, worker, generation.sampling, eos_token_ids,
+                            grammar_compiler)
 
 
 def _grammar_eos(tokenizer: Any, eos_token_ids: frozenset[int]) -> int | None:
@@ -136,6 +159,50 @@ def _grammar_eos(tokenizer: Any, eos_token_ids: frozenset[int]) -> int | None:
     if isinstance(eos, int) and eos in eos_token_ids:
         return eos
     return min(eos_token_ids) if eos_token_ids else None
+
+
+def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGroup
+                      ) -> RankWorker:
+    """Load this rank's shard of the model, size the KV cache (the minimum over the ranks,
+    so that every rank holds every block the driver's block tables name) and build the
+    worker. Every rank runs this at once: the sizing is a collective."""
+    args = spec.args
+    torch.manual_seed(args.seed)
+    model, hf_config = load_model(spec.path, dtype=spec.dtype, device=device,
+                                  allow_pickle=args.allow_pickle_weights, tp=tp)
+    block_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, spec.dtype,
+                                              tp.world_size)
+    num_gpu_blocks = tp.all_reduce_min(_num_device_blocks(
+        args, model, hf_config, spec.dtype, device, block_bytes, spec.max_num_batched_tokens,
+        spec.max_model_len, tp.world_size))
+    num_cpu_blocks = args.swap_space_bytes // block_bytes
+    _check_fits(args, num_gpu_blocks, spec.max_model_len)
+    cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size,
+                               spec.dtype, device, tp.world_size)
+    runner = ModelRunner(model, cache_engine, device)
+    lora_manager = _make_lora_manager(args, model, runner, device)
+    _capture_decode_graphs(args, runner, device, spec.max_model_len)
+    sampler = Sampler(hf_config.vocab_size, spec.eos_token_ids)
+    worker = Worker(cache_engine, runner, sampler, device, lora_manager, is_driver=tp.is_first)
+    return RankWorker(worker, num_gpu_blocks, num_cpu_blocks, block_bytes)
+
+
+def check_tensor_parallel(tp_size: int, hf_config: Any, device: torch.device,
+                          enable_lora: bool = False) -> None:
+    """Refuse a tensor_parallel_size the model's heads or the devices cannot take, naming
+    both numbers."""
+    if tp_size == 1:
+        return
+    if enable_lora:
+        raise ValueError(f"enable_lora=True with tensor_parallel_size={tp_size}: LoRA adapters "
+                         "are not split over ranks; use tensor_parallel_size=1 with LoRA")
+    heads_per_rank(hf_config.num_attention_heads, hf_config.num_key_value_heads, tp_size)
+    if hf_config.intermediate_size % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's "
+                         f"intermediate_size={hf_config.intermediate_size}")
+    if device.type == "cuda" and tp_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp_size} exceeds the "
+                         f"{torch.cuda.device_count()} CUDA device(s) of this machine")
 
 
 def _make_lora_manager(args: EngineArgs, model, runner: ModelRunner,
@@ -157,6 +224,10 @@ def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.
     (the graphs read it at fixed addresses). Their memory comes out of what the sizing left
     free (gpu_memory_utilization's margin); vLLM measures it instead."""
     if device.type != "cuda" or args.enforce_eager:
+        return
+    if args.tensor_parallel_size > 1:
+        logger.info("CUDA graphs off: tensor parallelism runs every step eagerly (capturing "
+                    "the collectives has not been tested)")
         return
     if args.enable_lora:
         logger.info("CUDA graphs off: LoRA steps run eagerly")
@@ -190,27 +261,29 @@ def _make_kv_manager(args: EngineArgs, num_gpu_blocks: int, num_cpu_blocks: int,
 
 
 def _num_device_blocks(args: EngineArgs, model, hf_config, dtype, device: torch.device,
-                       block_bytes: int, budget: int, max_model_len: int) -> int:
+                       block_bytes: int, budget: int, max_model_len: int,
+                       tp_size: int = 1) -> int:
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     if args.kv_cache_memory_bytes is not None:
         kv_bytes = args.kv_cache_memory_bytes
     elif device.type == "cuda":
         kv_bytes = _profile_cuda_kv_bytes(args, model, hf_config, dtype, device, budget,
-                                          max_model_len)
+                                          max_model_len, tp_size)
     else:
         kv_bytes = int(available_ram_bytes() * CPU_KV_CACHE_RAM_SHARE)
     return max(kv_bytes // block_bytes, 0)
 
 
 def _profile_cuda_kv_bytes(args: EngineArgs, model, hf_config, dtype, device: torch.device,
-                           budget: int, max_model_len: int) -> int:
+                           budget: int, max_model_len: int, tp_size: int = 1) -> int:
     """Run one maximum-size prefill batch over a scratch cache and measure the peak memory."""
     num_tokens = min(budget, args.max_num_seqs * max_model_len)
     seq_len = min(max_model_len, num_tokens)
     num_seqs = -(-num_tokens // seq_len)
     blocks_per_seq = -(-seq_len // args.block_size)
-    scratch = CacheEngine(hf_config, num_seqs * blocks_per_seq, 0, args.block_size, dtype, device)
+    scratch = CacheEngine(hf_config, num_seqs * blocks_per_seq, 0, args.block_size, dtype, device,
+                          tp_size)
     runner = ModelRunner(model, scratch, device)
     batch = [ScheduledSeq([0] * seq_len, 0, seq_len,
                           list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
@@ -219,7 +292,7 @@ def _profile_cuda_kv_bytes(args: EngineArgs, model, hf_config, dtype, device: to
     torch.cuda.reset_peak_memory_stats(device)
     runner.execute(batch)
     torch.cuda.synchronize(device)
-    scratch_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype) * (
+    scratch_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype, tp_size) * (
         num_seqs * blocks_per_seq)
     peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
     del runner, scratch

@@ -6,6 +6,10 @@ grammar matchers of structured outputs (``TokenMasks``). It reads the
 ``SchedulerOutput`` and nothing else of the scheduler (with tensor parallelism each rank would
 run one on the broadcast plan), and returns a ``ModelRunnerOutput`` keyed by sequence id: all
 the torch work (logits, log-softmax, top-k, sampling) happens here, none in pagellm.core.
+
+Under tensor parallelism every rank has a Worker over its shard of the model and of the KV
+cache and runs the same plan (cache operations and forward); only the driver's (rank 0,
+``is_driver``) samples and answers, the others return an empty output.
 """
 from __future__ import annotations
 
@@ -28,15 +32,20 @@ class Worker:
 
     def __init__(self, cache_engine: CacheEngine, runner: ModelRunner, sampler: Sampler,
                  device: torch.device, lora_manager: LoRAManager | None = None,
-                 token_masks: TokenMasks | None = None) -> None:
+                 token_masks: TokenMasks | None = None,
+                 is_driver: bool = True) -> None:
         self.cache_engine = cache_engine
         self.runner = runner
         self.sampler = sampler
         self.device = device
+        self.is_driver = is_driver
         self.generators: dict[str, torch.Generator] = {}
         self.lora_manager = lora_manager  # the adapter slots, with enable_lora
         # structured outputs' grammar state, per live sequence (see worker/grammar.py)
         self.token_masks = token_masks or TokenMasks(None, sampler.vocab_size)
+
+    def shutdown(self) -> None:
+        """Nothing to stop in one process (the executors' shutdown stops their workers)."""
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for seq_id in plan.finished_seq_ids:
@@ -47,6 +56,8 @@ class Worker:
         if plan.is_empty:
             return output
         logits = self.runner.execute(plan.scheduled, self._lora_slots(plan))  # [rows, vocab]
+        if not self.is_driver:
+            return output
         sample_rows: list[int] = []
         sample_seqs: list[tuple[ScheduledSequence, int]] = []  # (sequence, sample index)
         row = 0

@@ -90,8 +90,8 @@ def test_generate_accepts_strings_and_per_prompt_params(llama_dir):
 def test_bad_arguments_raise_clear_errors(llama_dir):
     with pytest.raises(ValueError, match="block_size"):
         LLM(str(llama_dir), block_size=0)
-    with pytest.raises(ValueError, match="not supported yet"):
-        LLM(str(llama_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
+        LLM(str(llama_dir), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(llama_dir), num_gpu_blocks_override=2, block_size=16, max_model_len=512)
     with pytest.raises(TypeError, match="unknown engine arguments"):

@@ -49,6 +49,9 @@ class FakeEngine:
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())
 
+    def shutdown(self) -> None:
+        """LLMEngine.shutdown: no workers to stop here."""
+
     def add_request(self, request_id, prompt, params=None, priority=0, arrival_time=None,
                     cache_salt=None, lora_request=None) -> None:
         self._touch()

@@ -21,7 +21,10 @@ HELP = {
     "dtype": "weights and activations dtype: auto, float32, bfloat16, float16",
     "seed": "seed of the engine's random generator",
     "device": "auto, cpu or cuda",
-    "tensor_parallel_size": "number of devices to shard the model over",
+    "tensor_parallel_size": "number of devices (CPU: processes) to shard the model over",
+    "distributed_executor_backend": "mp (worker processes on this host) or ray (Ray actors, "
+                                    "one host or a Ray cluster) for tensor_parallel_size > 1 "
+                                    "(default: mp)",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
     "kv_cache_memory_bytes": "bytes of KV cache (overrides the automatic sizing)",
     "num_gpu_blocks_override": "number of device KV blocks, whatever the device's memory",

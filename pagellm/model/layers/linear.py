@@ -23,16 +23,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.distributed.parallel_state import current_group
+
 logger = logging.getLogger("pagellm")
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into a parameter of the same shape (dtype converted)."""
+    """Copy a checkpoint tensor into a parameter of the same shape (dtype converted).
+    ``loaded`` may also be a safetensors slice (read here, whole)."""
+    loaded = as_tensor(loaded)
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a "
                          f"parameter of shape {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def as_tensor(loaded) -> torch.Tensor:
+    """A checkpoint tensor, or a lazy safetensors slice read in full."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def narrow_loaded(loaded, dim: int, start: int, size: int):
+    """Rows (dim 0) or columns (dim 1) ``start .. start + size`` of a checkpoint tensor. On a
+    lazy safetensors slice (tensor parallelism) only those bytes are read from the file."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, size)
+    index = (slice(start, start + size),) if dim == 0 else (slice(None), slice(start, start + size))
+    return loaded[index]
 
 
 class Linear(nn.Module):
@@ -156,12 +174,21 @@ class MergedLinear(Linear):
 
     ``shard_id`` is the index of the projection (0 = gate, 1 = up for the MLP); its rows are
     ``output_sizes[shard_id]`` long, starting after the rows of the shards before it.
+
+    Column-parallel under tensor parallelism (the group current when it is built): each rank
+    holds rows ``rank * size .. (rank + 1) * size`` of every projection (``output_sizes`` are
+    the rank's sizes), so its output is the rank's slice of each, with no communication.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
-        self.output_sizes = list(output_sizes)
+        self.tp = current_group()
+        for size in output_sizes:
+            if size % self.tp.world_size:
+                raise ValueError(f"tensor_parallel_size={self.tp.world_size} does not divide "
+                                 f"a projection of {size} rows")
+        self.output_sizes = [size // self.tp.world_size for size in output_sizes]
         self.shard_ids: tuple[str | int, ...] = tuple(range(len(output_sizes)))
-        super().__init__(in_features, sum(output_sizes), bias)
+        super().__init__(in_features, sum(self.output_sizes), bias)
 
     def shard_range(self, shard_id: str | int) -> tuple[int, int]:
         index = int(shard_id)
@@ -173,25 +200,67 @@ class MergedLinear(Linear):
             default_weight_loader(param, loaded)
             return
         offset, size = self.shard_range(shard_id)
+        if self.tp.world_size > 1:
+            loaded = narrow_loaded(loaded, 0, self.source_row(shard_id), size)
         default_weight_loader(param.data.narrow(0, offset, size), loaded)
+
+    def source_row(self, shard_id: str | int) -> int:
+        """The first checkpoint row of this rank's part of projection ``shard_id``."""
+        return self.tp.rank * self.shard_range(shard_id)[1]
 
 
 class QKVLinear(MergedLinear):
     """The q, k and v projections as one matmul; shard ids are "q", "k" and "v".
 
     Output layout: [q (num_heads * head_dim) | k (num_kv_heads * head_dim) | v (same)].
+
+    Under tensor parallelism the heads are split: ``num_heads`` and ``num_kv_heads`` are the
+    rank's (query heads ``rank * num_heads ..``); with fewer KV heads than ranks each rank
+    holds one KV head, replicated on ``world_size / total KV heads`` ranks, the one its query
+    heads attend to.
     """
 
     _SHARDS = {"q": 0, "k": 1, "v": 2}
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False) -> None:
-        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias)
+        tp = current_group()
+        self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads = heads_per_rank(num_heads, num_kv_heads,
+                                                           tp.world_size)
+        # the rank's first KV head of the checkpoint's num_kv_heads
+        replicas = max(tp.world_size // num_kv_heads, 1)
+        self.first_kv_head = tp.rank // replicas * self.num_kv_heads
+        q_size, kv_size = num_heads * head_dim, self.num_kv_heads * head_dim
+        # MergedLinear divides every size by world_size: give it the totals of the shards
+        super().__init__(hidden_size, [q_size, kv_size * tp.world_size,
+                                       kv_size * tp.world_size], bias)
         self.shard_ids = tuple(self._SHARDS)
+
+    def source_row(self, shard_id: str | int) -> int:
+        if shard_id == "q":
+            return super().source_row(shard_id)
+        return self.first_kv_head * self.head_dim
 
     def shard_range(self, shard_id: str | int) -> tuple[int, int]:
         if shard_id not in self._SHARDS:
             raise ValueError(f"QKVLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         return super().shard_range(self._SHARDS[shard_id])
+
+
+def heads_per_rank(num_heads: int, num_kv_heads: int, world_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one rank; KV heads are replicated when there are fewer of
+    them than ranks. Raises ValueError naming the numbers when the heads do not split."""
+    if num_heads % world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} does not divide the model's "
+                         f"num_attention_heads={num_heads}")
+    if num_kv_heads >= world_size:
+        if num_kv_heads % world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} does not divide the model's "
+                             f"num_key_value_heads={num_kv_heads}")
+        return num_heads // world_size, num_kv_heads // world_size
+    if world_size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={world_size} is not a multiple of the model's "
+                         f"num_key_value_heads={num_kv_heads} (fewer KV heads than ranks are "
+                         "replicated, which needs a whole number of ranks per KV head)")
+    return num_heads // world_size, 1

@@ -1,0 +1,123 @@
+"""The layers that communicate under tensor parallelism (Megatron-LM's split, as in vLLM).
+
+- ``RowParallelLinear`` (o_proj, down_proj): each rank holds the input columns that match its
+  slice of the column-parallel layer before it (its heads, its part of the MLP), computes a
+  partial product, and the ranks sum them (all-reduce); the bias is added once, after.
+- ``VocabParallelEmbedding``: each rank holds a contiguous range of the vocabulary's rows;
+  a token outside the range embeds as zeros, and the all-reduce leaves exactly the one
+  rank's row (adding zeros is exact).
+- ``ParallelLMHead``: the same vocabulary ranges as rows of the projection (so a tied head
+  shares the embedding's shard); rank 0 gathers the logits of every range.
+
+With one rank (``world_size == 1``) every layer is the plain one: same shapes, same calls.
+The vocabulary is padded to a multiple of the ranks; the padding rows are zero and their
+logits are cut off before anyone sees them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.distributed.parallel_state import current_group
+from pagellm.model.layers.linear import (Linear, _packed_linear, default_weight_loader,
+                                         narrow_loaded)
+
+
+def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int, int]:
+    """(first token id, number of real rows, rows per rank incl. padding) of ``rank``."""
+    per_rank = -(-vocab_size // world_size)
+    start = min(rank * per_rank, vocab_size)
+    return start, min(per_rank, vocab_size - start), per_rank
+
+
+def _load_vocab_rows(param: nn.Parameter, loaded, world_size: int, start: int,
+                     num_rows: int) -> None:
+    if world_size == 1:
+        default_weight_loader(param, loaded)
+        return
+    default_weight_loader(param.data.narrow(0, 0, num_rows),
+                          narrow_loaded(loaded, 0, start, num_rows))
+    param.data[num_rows:].zero_()
+
+
+class RowParallelLinear(Linear):
+    """y = all_reduce(x_rank @ W_rank^T) + b; W_rank: [out_features, in_features / ranks]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp = current_group()
+        if in_features % self.tp.world_size:
+            raise ValueError(f"tensor_parallel_size={self.tp.world_size} does not divide the "
+                             f"{in_features} input features of a row-parallel projection")
+        super().__init__(in_features // self.tp.world_size, out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | int | None = None) -> None:
+        if self.tp.world_size > 1 and param is self.weight:
+            loaded = narrow_loaded(loaded, 1, self.tp.rank * self.in_features,
+                                   self.in_features)
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return super().forward(x)
+        # x: [num_tokens, in_features / ranks] -> partial [num_tokens, out_features]
+        if self.packed_weight is not None:
+            partial = _packed_linear(x, self.packed_weight, None)
+        else:
+            partial = F.linear(x, self.weight)
+        out = self.tp.all_reduce(partial)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows of this rank's vocabulary range ``[vocab_start, vocab_start + rows)``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.tp = current_group()
+        self.vocab_size = vocab_size
+        self.vocab_start, self.num_rows, per_rank = vocab_range(vocab_size, self.tp.rank,
+                                                                self.tp.world_size)
+        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | int | None = None) -> None:
+        _load_vocab_rows(param, loaded, self.tp.world_size, self.vocab_start, self.num_rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)  # [T, hidden_size]
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_rows)
+        embedded = F.embedding(local.masked_fill(outside, 0), self.weight)
+        embedded.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(embedded)
+
+    def extra_repr(self) -> str:
+        return (f"vocab={self.vocab_size}, rows {self.vocab_start}.."
+                f"{self.vocab_start + self.num_rows}, hidden={self.weight.shape[1]}")
+
+
+class ParallelLMHead(Linear):
+    """logits = hidden @ W^T over this rank's vocabulary range; rank 0 gathers all ranges
+    ([rows, vocab_size]), the other ranks return [rows, 0]."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        self.tp = current_group()
+        self.vocab_size = vocab_size
+        self.vocab_start, self.num_rows, per_rank = vocab_range(vocab_size, self.tp.rank,
+                                                                self.tp.world_size)
+        super().__init__(hidden_size, per_rank)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | int | None = None) -> None:
+        _load_vocab_rows(param, loaded, self.tp.world_size, self.vocab_start, self.num_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)  # [rows, vocab rows of this rank]
+        if self.tp.world_size == 1:
+            return logits
+        gathered = self.tp.gather_last_dim(logits)
+        return gathered[:, :self.vocab_size]
