@@ -96,6 +96,7 @@ typedef struct {
   int64_t num_threads;       /* at most this many threads (one partial sum each) */
   int64_t new_stride;
   float scale;
+  const float* lut;          /* 8-bit caches in a table format (fp8): the value of each byte */
 } decode_args;
 
 /* Store the step's K/V rows of sequences [begin, end) in their slots (before attending: a
@@ -483,6 +484,132 @@ void paged_decode_attention_bf16(const decode_args* a) {
 #endif
   run_bf16_portable(a);
 }
+
+/* ---- 8-bit caches (kv_quant.py) ------------------------------------------------------
+   A cache row is head_dim one-byte values, then the row's bfloat16 scale: element d of the
+   row is LOAD8(byte d) * scale, where int8 converts and fp8 (e4m3, e5m2) reads the 256-entry
+   table a->lut. The same pair-sorted passes as above; each key row is dequantized inside the
+   loops (scores: scale folded in after the dot product; values: the row times its scale),
+   so no dequantized copy of any context is made. Weights stay float32 (no bfloat16
+   rounding: the reference these kernels meet is the float64 attention over the dequantized
+   cache). The step's K/V are quantized and stored by the caller before the call. */
+#define LOAD_INT8(lut, x) ((float)(int8_t)(x))
+#define LOAD_LUT(lut, x) ((lut)[(x)])
+INLINE float row_scale(const uint8_t* row, int64_t D) {
+  bf16_t s;
+  memcpy(&s, row + D, sizeof s);
+  return load_bf16(s);
+}
+
+/* out[i] = scale * s_i * (q . k_i) for the n rows k_i = k + i * ks (q in float32). */
+#define DEFINE_Q8_SCORE(NAME, LOAD8)                                                         \
+INLINE void NAME(const float* restrict q, const uint8_t* restrict k, int64_t ks, int64_t n,  \
+                 float scale, float* restrict out, const float* restrict lut, const int64_t D) { \
+  for (int64_t i = 0; i < n; i++) {                                                          \
+    const uint8_t* restrict kr = k + i * ks;                                                 \
+    float dot = 0.0f;                                                                        \
+    for (int64_t d = 0; d < D; d++) dot += q[d] * LOAD8(lut, kr[d]);                         \
+    out[i] = dot * scale * row_scale(kr, D);                                                 \
+  }                                                                                          \
+}
+
+/* acc_g += sum_i w_g[i] s_i v_i for g < G, the n rows v_i = v + i * vs. */
+#define DEFINE_Q8_VALUE(NAME, LOAD8)                                                         \
+INLINE void NAME(const float* w, int64_t ws, const uint8_t* restrict v, int64_t vs, int64_t n, \
+                 float* restrict acc, const float* restrict lut, const int64_t D,            \
+                 const int64_t G) {                                                          \
+  float vf[256];                                                                             \
+  for (int64_t i = 0; i < n; i++) {                                                          \
+    const uint8_t* restrict vr = v + i * vs;                                                 \
+    const float s = row_scale(vr, D);                                                        \
+    for (int64_t d = 0; d < D; d++) vf[d] = LOAD8(lut, vr[d]) * s;                           \
+    for (int64_t g = 0; g < G; g++) {                                                        \
+      const float wg = w[g * ws + i];                                                        \
+      for (int64_t d = 0; d < D; d++) acc[g * D + d] += wg * vf[d];                          \
+    }                                                                                        \
+  }                                                                                          \
+}
+DEFINE_Q8_SCORE(score_q8_int8, LOAD_INT8)
+DEFINE_Q8_SCORE(score_q8_lut, LOAD_LUT)
+DEFINE_Q8_VALUE(value_q8_int8, LOAD_INT8)
+DEFINE_Q8_VALUE(value_q8_lut, LOAD_LUT)
+
+#define DEFINE_Q8_KERNEL(NAME, QT, QLOAD, STORE, SCORE, VALUE)                               \
+INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
+  const int64_t KVH = a->num_kv_heads, H = a->num_heads, S = a->num_seqs;                    \
+  const int64_t bs = a->block_size, rf = row_floats(a), R = D + 2;                           \
+  const int64_t block_bytes = bs * KVH * R;                                                  \
+  float* rows = a->workspace;                                                                \
+  {                                                                                          \
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
+    const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;              \
+    float qf[256];                                                                           \
+    for (int pass = 0; pass < 2; pass++) {                                                   \
+      const uint8_t* cache = (const uint8_t*)(pass == 0 ? a->k_cache : a->v_cache);          \
+      for (int64_t p = pb; p < pe; p++) {                                                    \
+        const char* ahead = p + PREFETCH_AHEAD < pe                                          \
+            ? (const char*)(cache + a->pair_phys[p + PREFETCH_AHEAD] * block_bytes) : 0;      \
+        int64_t lo;                                                                          \
+        const int64_t hi = pair_keys(a, p, &lo), s = a->pair_seq[p];                         \
+        const int64_t pos = a->pair_block[p] * bs + lo;                                      \
+        const uint8_t* block = cache + a->pair_phys[p] * block_bytes + lo * KVH * R;         \
+        for (int64_t h = 0; h < KVH; h++) {                                                  \
+          if (ahead) prefetch_share(ahead, block_bytes, h, KVH);                             \
+          if (lo >= hi) continue;                                                            \
+          float* row = rows + (s * H + h * G) * rf;                                          \
+          if (pass == 0) {                                                                   \
+            for (int64_t g = 0; g < G; g++) {                                                \
+              const QT* q = (const QT*)a->q + (s * H + h * G + g) * D;                       \
+              for (int64_t d = 0; d < D; d++) qf[d] = QLOAD(q[d]);                           \
+              SCORE(qf, block + h * R, KVH * R, hi - lo, a->scale, row + g * rf + pos,       \
+                    a->lut, D);                                                              \
+            }                                                                                \
+          } else {                                                                           \
+            VALUE(row + pos, rf, block + h * R, KVH * R, hi - lo,                            \
+                  partial_sum(a, t, s * H + h * G), a->lut, D, G);                           \
+          }                                                                                  \
+        }                                                                                    \
+      }                                                                                      \
+      if (pass == 0) {                                                                       \
+        _Pragma("omp barrier")                                                               \
+        _Pragma("omp for schedule(static)")                                                  \
+        for (int64_t r = 0; r < S * H; r++) {                                                \
+          const int64_t len = a->seq_lens[r / H];                                            \
+          const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;      \
+          float* row = rows + r * rf;                                                        \
+          row[rf - 1] = softmax_row(row, start, len);                                        \
+          for (int64_t u = 0; u < nt; u++) memset(partial_sum(a, u, r), 0, D * sizeof(float)); \
+        }                                                                                    \
+      }                                                                                      \
+    }                                                                                        \
+    _Pragma("omp barrier")                                                                   \
+    _Pragma("omp for schedule(static)")                                                      \
+    for (int64_t r = 0; r < S * H; r++) {                                                    \
+      const float inv_sum = rows[r * rf + rf - 1];                                           \
+      QT* o = (QT*)a->out + r * D;                                                           \
+      for (int64_t d = 0; d < D; d++) {                                                      \
+        float sum = 0.0f;                                                                    \
+        for (int64_t u = 0; u < nt; u++) sum += partial_sum(a, u, r)[d];                     \
+        o[d] = STORE(sum * inv_sum);                                                         \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+}
+DEFINE_Q8_KERNEL(kernel_q8_f32_int8, float, load_f32, store_f32, score_q8_int8, value_q8_int8)
+DEFINE_Q8_KERNEL(kernel_q8_f32_lut, float, load_f32, store_f32, score_q8_lut, value_q8_lut)
+DEFINE_Q8_KERNEL(kernel_q8_bf16_int8, bf16_t, load_bf16, store_bf16, score_q8_int8,
+                 value_q8_int8)
+DEFINE_Q8_KERNEL(kernel_q8_bf16_lut, bf16_t, load_bf16, store_bf16, score_q8_lut, value_q8_lut)
+DISPATCH(run_q8_f32_int8, kernel_q8_f32_int8)
+DISPATCH(run_q8_f32_lut, kernel_q8_f32_lut)
+DISPATCH(run_q8_bf16_int8, kernel_q8_bf16_int8)
+DISPATCH(run_q8_bf16_lut, kernel_q8_bf16_lut)
+
+/* Entry points: query dtype x value decoding (int8, or a table for fp8); head_dim <= 256. */
+void paged_decode_attention_q8_f32_int8(const decode_args* a) { run_q8_f32_int8(a); }
+void paged_decode_attention_q8_f32_lut(const decode_args* a) { run_q8_f32_lut(a); }
+void paged_decode_attention_q8_bf16_int8(const decode_args* a) { run_q8_bf16_int8(a); }
+void paged_decode_attention_q8_bf16_lut(const decode_args* a) { run_q8_bf16_lut(a); }
 
 /* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16. */
 int paged_decode_features(void) {
