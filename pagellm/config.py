@@ -13,6 +13,8 @@ from dataclasses import dataclass
 CPU_KV_CACHE_RAM_SHARE = 0.10
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 _GiB = 1 << 30
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATION_METHODS = (None, "int8", "int4")
 
 
 @dataclass(slots=True)
@@ -48,6 +50,14 @@ class EngineArgs:
     # On CUDA, decode steps replay CUDA graphs captured at start-up (worker/cuda_graphs.py);
     # True runs every step eagerly (as the CPU always does).
     enforce_eager: bool = False
+    # KV cache storage: "auto" (the model dtype) or 8-bit "int8", "fp8" (= "fp8_e4m3"),
+    # "fp8_e5m2", with a scale per token and KV head (attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
+    # Weight-only quantization of the linear layers on load: None, "int8" (per output
+    # channel) or "int4" (groups of quantization_group_size input columns); see
+    # model/layers/quantized_linear.py
+    quantization: str | None = None
+    quantization_group_size: int = 128
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field, its value and its limit."""
@@ -87,6 +97,9 @@ class EngineArgs:
                "must be 'auto', 'vllm' or a folder holding generation_config.json")
         _check(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager,
                "must be True or False")
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("quantization", self.quantization, QUANTIZATION_METHODS)
+        _choice("quantization_group_size", self.quantization_group_size, (32, 64, 128, 256))
 
     @property
     def swap_space_bytes(self) -> int:

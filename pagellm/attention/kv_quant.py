@@ -33,8 +33,9 @@ from typing import NamedTuple
 
 import torch
 
+from pagellm.config import KV_CACHE_DTYPES
+
 SCALE_BYTES = 2  # one bfloat16 scale per (token, KV head) row
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +47,10 @@ class KVFormat:
     storage: torch.dtype
     qmax: float
 
-    def lut(self) -> torch.Tensor:
+    def lut(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[256] float32: the value of each byte (read as this format), for kernels that
         decode by table (the C kernel's fp8 loops, the Triton kernels)."""
-        return torch.arange(256, dtype=torch.uint8).view(self.storage).float()
+        return torch.arange(256, dtype=torch.uint8, device=device).view(self.storage).float()
 
 
 FORMATS: dict[str, KVFormat] = {

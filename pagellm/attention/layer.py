@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagellm.attention import quantized_backend
-from pagellm.attention.kv_quant import QuantizedKVCache
+from pagellm.attention.kv_quant import KVFormat, QuantizedKVCache, fake_quantize
 from pagellm.attention.metadata import AttentionMetadata
 from pagellm.attention.torch_backend import paged_attention
 
@@ -73,11 +73,18 @@ class Attention(nn.Module):
                              f"num_key_value_heads={num_kv_heads}")
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale, self.sliding_window = scale, sliding_window
+        # For comparisons only: store the step's K/V rounded through this 8-bit format into a
+        # cache of the model dtype (what an 8-bit cache's reader sees, read by the unquantized
+        # paths): the engine that tests and quality checks hold the 8-bit cache against.
+        self.reference_kv_format: KVFormat | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]."""
         attend = select_backend(query)
+        if self.reference_kv_format is not None:
+            key = fake_quantize(key, self.reference_kv_format)
+            value = fake_quantize(value, self.reference_kv_format)
         if isinstance(kv_cache, QuantizedKVCache):
             attend = (quantized_backend.paged_attention if attend is paged_attention
                       else _triton_paged_attention_quantized())

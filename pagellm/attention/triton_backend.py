@@ -388,7 +388,7 @@ def paged_attention_quantized(query: torch.Tensor, key: torch.Tensor, value: tor
     v_values = kv_values(cache.value, cache.format).view(storage)
     _check_inputs(query, k_values, v_values)
     quant = QuantArgs(kv_scales(cache.key), kv_scales(cache.value),
-                      cache.format.lut().to(query.device), 1 if storage == torch.int8 else 2)
+                      cache.format.lut(query.device), 1 if storage == torch.int8 else 2)
     query = _unit_last_stride(query)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     config = launch_config(torch.float32, query.shape[2])

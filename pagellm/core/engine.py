@@ -276,7 +276,10 @@ class LLMEngine:
         return self.abort_request(request.request_id)
 
     def get_stats(self) -> EngineStats:
-        return self.stats.snapshot(self.scheduler, self.kv)
+        stats = self.stats.snapshot(self.scheduler, self.kv)
+        stats.kv_cache_dtype = self.args.kv_cache_dtype
+        stats.kv_bytes_per_block = self.cache_engine.block_bytes
+        return stats
 
     def get_kv_view(self, history: Iterable[dict[str, float]] = ()) -> dict[str, Any]:
         """The block map, its sequences and the statistics, taken together (core/kv_view.py)."""

@@ -42,6 +42,8 @@ class EngineStats:
     num_free_cpu_blocks: int
     external_fragmentation: float
     seq_block_counts: dict = field(default_factory=dict)
+    kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype
+    kv_bytes_per_block: int = 0  # K and V of one block over all layers (scales included)
 
     @property
     def num_swaps(self) -> int:

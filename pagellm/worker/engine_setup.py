@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pagellm.attention import kv_quant
 from pagellm.attention.layer import runs_triton
 from pagellm.config import CPU_KV_CACHE_RAM_SHARE, EngineArgs
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
@@ -97,7 +98,8 @@ def build_components(args: EngineArgs) -> EngineComponents:
     eos_token_ids = _eos_token_ids(tokenizer, hf_config) | generation.eos_token_ids
     max_model_len = resolve_max_model_len(args, hf_config)
     budget = args.resolve_max_num_batched_tokens(max_model_len)
-    block_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype)
+    kv_format = kv_quant.kv_format(args.kv_cache_dtype)
+    block_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype, kv_format)
     num_gpu_blocks = _num_device_blocks(args, model, hf_config, dtype, device, block_bytes,
                                         budget, max_model_len)
     num_cpu_blocks = args.swap_space_bytes // block_bytes
@@ -105,7 +107,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
     _log_sizing(args, num_gpu_blocks, num_cpu_blocks, block_bytes, max_model_len)
     kv = _make_kv_manager(args, num_gpu_blocks, num_cpu_blocks, max_model_len)
     cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size, dtype,
-                               device)
+                               device, kv_format)
     runner = ModelRunner(model, cache_engine, device)
     _capture_decode_graphs(args, runner, device, max_model_len)
     sampler = Sampler(hf_config.vocab_size, eos_token_ids)
@@ -125,6 +127,10 @@ def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.
     (the graphs read it at fixed addresses). Their memory comes out of what the sizing left
     free (gpu_memory_utilization's margin); vLLM measures it instead."""
     if device.type != "cuda" or args.enforce_eager:
+        return
+    if args.kv_cache_dtype != "auto":
+        logger.info("CUDA graphs off: kv_cache_dtype=%s stores the step's K/V through torch "
+                    "ops sized by the step", args.kv_cache_dtype)
         return
     if not runs_triton(device):
         logger.info("CUDA graphs off: attention does not run the Triton kernels "
@@ -175,7 +181,9 @@ def _profile_cuda_kv_bytes(args: EngineArgs, model, hf_config, dtype, device: to
     seq_len = min(max_model_len, num_tokens)
     num_seqs = -(-num_tokens // seq_len)
     blocks_per_seq = -(-seq_len // args.block_size)
-    scratch = CacheEngine(hf_config, num_seqs * blocks_per_seq, 0, args.block_size, dtype, device)
+    kv_format = kv_quant.kv_format(args.kv_cache_dtype)
+    scratch = CacheEngine(hf_config, num_seqs * blocks_per_seq, 0, args.block_size, dtype, device,
+                          kv_format)
     runner = ModelRunner(model, scratch, device)
     batch = [ScheduledSeq([0] * seq_len, 0, seq_len,
                           list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
@@ -184,7 +192,7 @@ def _profile_cuda_kv_bytes(args: EngineArgs, model, hf_config, dtype, device: to
     torch.cuda.reset_peak_memory_stats(device)
     runner.execute(batch)
     torch.cuda.synchronize(device)
-    scratch_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype) * (
+    scratch_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype, kv_format) * (
         num_seqs * blocks_per_seq)
     peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
     del runner, scratch
