@@ -180,9 +180,9 @@ def _decode_bytes(raw, lut_ptr, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
+def _prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
                     k_scale_ptr, v_scale_ptr, lut_ptr, stride_scale_b, stride_scale_s,
-                    stride_scale_h,
+                    stride_scale_h, block_tables_ptr,
                     seq_lens_ptr, query_start_loc_ptr, scale_log2, window,
                     stride_query_t, stride_query_h, stride_out_t, stride_out_h,
                     stride_cache_b, stride_cache_s, stride_cache_h, stride_table,
@@ -240,9 +240,9 @@ def _prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_p
 
 
 @triton.jit
-def _decode_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
+def _decode_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
                    k_scale_ptr, v_scale_ptr, lut_ptr, stride_scale_b, stride_scale_s,
-                   stride_scale_h,
+                   stride_scale_h, block_tables_ptr,
                    seq_lens_ptr, query_start_loc_ptr, first_seq, scale_log2, window,
                    stride_query_t, stride_query_h, stride_out_t, stride_out_h,
                    stride_cache_b, stride_cache_s, stride_cache_h, stride_table,
