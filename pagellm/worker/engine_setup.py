@@ -92,7 +92,9 @@ def build_components(args: EngineArgs) -> EngineComponents:
     hf_config = load_config(path)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     model, hf_config = load_model(path, dtype=dtype, device=device,
-                                  allow_pickle=args.allow_pickle_weights)
+                                  allow_pickle=args.allow_pickle_weights,
+                                  quantization=args.quantization,
+                                  quantization_group_size=args.quantization_group_size)
     tokenizer = get_tokenizer(args.tokenizer or path)
     generation = load_generation_defaults(path, args.generation_config)
     eos_token_ids = _eos_token_ids(tokenizer, hf_config) | generation.eos_token_ids
