@@ -84,10 +84,12 @@ def supports(query: torch.Tensor) -> bool:
 
 
 def vector_paths() -> dict[str, bool]:
-    """Which dtypes the loaded build runs with AVX-512 inner loops (head_dim % 32 == 0)."""
+    """Which dtypes the loaded build runs with AVX-512 inner loops (head_dim % 32 == 0);
+    ``8-bit`` is the int8 / fp8 caches' (kv_quant.py)."""
     library = _KERNEL.load()
     features = library.paged_decode_features() if library is not None else 0
-    return {"float32": bool(features & 1), "bfloat16": bool(features & 2)}
+    return {"float32": bool(features & 1), "bfloat16": bool(features & 2),
+            "8-bit": bool(features & 4)}
 
 
 def describe() -> str:
@@ -185,7 +187,7 @@ def paged_decode_attention_quantized(query: torch.Tensor, cache: QuantizedKVCach
         seq_lens.data_ptr(), workspace.data_ptr(), len(pair_seq), num_seqs, num_heads,
         num_kv_heads, head_dim, block_size, max_seq_len, sliding_window or 0, threads, 0, scale,
         lut.data_ptr())
-    decoding = "int8" if cache.format.storage == torch.int8 else "lut"
+    decoding = {"int8": "int8", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}[cache.format.name]
     getattr(library, f"paged_decode_attention_q8_{_SUFFIX[query.dtype]}_{decoding}")(
         ctypes.byref(args))
     return out
@@ -219,7 +221,7 @@ def _build_and_load(level: str | None, portable: bool) -> ctypes.CDLL | None:
     if library is not None:
         for suffix in _SUFFIX.values():
             for name in ("", "q8_"):
-                for decoding in ("",) if name == "" else ("_int8", "_lut"):
+                for decoding in ("",) if name == "" else ("_int8", "_e4m3", "_e5m2"):
                     getattr(library, f"paged_decode_attention_{name}{suffix}{decoding}"
                             ).argtypes = [ctypes.POINTER(_DecodeArgs)]
         library.paged_decode_features.restype = ctypes.c_int

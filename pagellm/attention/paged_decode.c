@@ -487,54 +487,75 @@ void paged_decode_attention_bf16(const decode_args* a) {
 
 /* ---- 8-bit caches (kv_quant.py) ------------------------------------------------------
    A cache row is head_dim one-byte values, then the row's bfloat16 scale: element d of the
-   row is LOAD8(byte d) * scale, where int8 converts and fp8 (e4m3, e5m2) reads the 256-entry
-   table a->lut. The same pair-sorted passes as above; each key row is dequantized inside the
-   loops (scores: scale folded in after the dot product; values: the row times its scale),
-   so no dequantized copy of any context is made. Weights stay float32 (no bfloat16
-   rounding: the reference these kernels meet is the float64 attention over the dequantized
-   cache). The step's K/V are quantized and stored by the caller before the call. */
-#define LOAD_INT8(lut, x) ((float)(int8_t)(x))
-#define LOAD_LUT(lut, x) ((lut)[(x)])
+   row is value(byte d) * scale. The same pair-sorted passes as above; for each (pair, KV
+   head) the kernel dequantizes up to TILE_KEYS of the block's rows into a float32 tile on
+   the stack (L1-resident), then runs the float32 inner loops over it for the G query heads:
+   each byte is converted once, whatever G, and no dequantized copy of any context is made.
+   q * scale is exact in float32, so the result is the float32 attention over the dequantized
+   cache. Softmax weights stay float32 (no bfloat16 rounding). The step's K/V are quantized
+   and stored by the caller before the call.
+
+   Conversion: the portable loops read fp8 (e4m3, e5m2) from the 256-entry table a->lut and
+   convert int8; the AVX-512 ones convert 16 bytes at a time: int8 sign-extends; e5m2 is the
+   high byte of a float16; e4m3 (bias 7) sign-extended and shifted into float16's bit
+   positions reads as the value times 2^-8, so its rows' scales are taken times 2^8 (exact).
+   The quantizer never stores e4m3's NaN code (it clamps to +-448). */
+#define TILE_KEYS 32
 INLINE float row_scale(const uint8_t* row, int64_t D) {
   bf16_t s;
   memcpy(&s, row + D, sizeof s);
   return load_bf16(s);
 }
 
-/* out[i] = scale * s_i * (q . k_i) for the n rows k_i = k + i * ks (q in float32). */
-#define DEFINE_Q8_SCORE(NAME, LOAD8)                                                         \
-INLINE void NAME(const float* restrict q, const uint8_t* restrict k, int64_t ks, int64_t n,  \
-                 float scale, float* restrict out, const float* restrict lut, const int64_t D) { \
+/* tile[i * D + d] = value(row_i[d]) * scale_i for the n rows row_i = rows + i * stride. */
+#define DEFINE_DEQUANT_PORTABLE(NAME, LOAD8)                                                 \
+INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,                    \
+                 const float* restrict lut, float* restrict tile, const int64_t D) {         \
   for (int64_t i = 0; i < n; i++) {                                                          \
-    const uint8_t* restrict kr = k + i * ks;                                                 \
-    float dot = 0.0f;                                                                        \
-    for (int64_t d = 0; d < D; d++) dot += q[d] * LOAD8(lut, kr[d]);                         \
-    out[i] = dot * scale * row_scale(kr, D);                                                 \
+    const uint8_t* restrict r = rows + i * stride;                                           \
+    const float s = row_scale(r, D);                                                         \
+    for (int64_t d = 0; d < D; d++) tile[i * D + d] = LOAD8(lut, r[d]) * s;                  \
   }                                                                                          \
 }
+#define LOAD_INT8(lut, x) ((float)(int8_t)(x))
+#define LOAD_LUT(lut, x) ((lut)[(x)])
+DEFINE_DEQUANT_PORTABLE(dequant_int8_portable, LOAD_INT8)
+DEFINE_DEQUANT_PORTABLE(dequant_lut_portable, LOAD_LUT)
 
-/* acc_g += sum_i w_g[i] s_i v_i for g < G, the n rows v_i = v + i * vs. */
-#define DEFINE_Q8_VALUE(NAME, LOAD8)                                                         \
-INLINE void NAME(const float* w, int64_t ws, const uint8_t* restrict v, int64_t vs, int64_t n, \
-                 float* restrict acc, const float* restrict lut, const int64_t D,            \
-                 const int64_t G) {                                                          \
-  float vf[256];                                                                             \
+#ifdef USE_AVX512
+#define USE_Q8_AVX512 1
+INLINE __m512 cvt_int8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+INLINE __m512 cvt_e5m2(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(
+      _mm_loadu_si128((const __m128i*)p)), 8));
+}
+INLINE __m512 cvt_e4m3(const uint8_t* p) {
+  /* sign-extended, shifted by 7: the sign in bits 15 and 14, exponent and mantissa in bits
+     13..7; clearing bit 14 leaves a float16 of the value times 2^-8 */
+  const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)), 7);
+  return _mm512_cvtph_ps(_mm256_and_si256(x, _mm256_set1_epi16((short)0xBF80)));
+}
+#define DEFINE_DEQUANT_AVX512(NAME, CVT, FACTOR)                                             \
+INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,                    \
+                 const float* restrict lut, float* restrict tile, const int64_t D) {         \
+  (void)lut;                                                                                 \
   for (int64_t i = 0; i < n; i++) {                                                          \
-    const uint8_t* restrict vr = v + i * vs;                                                 \
-    const float s = row_scale(vr, D);                                                        \
-    for (int64_t d = 0; d < D; d++) vf[d] = LOAD8(lut, vr[d]) * s;                           \
-    for (int64_t g = 0; g < G; g++) {                                                        \
-      const float wg = w[g * ws + i];                                                        \
-      for (int64_t d = 0; d < D; d++) acc[g * D + d] += wg * vf[d];                          \
-    }                                                                                        \
+    const uint8_t* restrict r = rows + i * stride;                                           \
+    const __m512 s = _mm512_set1_ps((FACTOR) * row_scale(r, D));                             \
+    for (int64_t d = 0; d < D; d += 16)                                                      \
+      _mm512_storeu_ps(tile + i * D + d, _mm512_mul_ps(CVT(r + d), s));                      \
   }                                                                                          \
 }
-DEFINE_Q8_SCORE(score_q8_int8, LOAD_INT8)
-DEFINE_Q8_SCORE(score_q8_lut, LOAD_LUT)
-DEFINE_Q8_VALUE(value_q8_int8, LOAD_INT8)
-DEFINE_Q8_VALUE(value_q8_lut, LOAD_LUT)
+DEFINE_DEQUANT_AVX512(dequant_int8_avx512, cvt_int8, 1.0f)
+DEFINE_DEQUANT_AVX512(dequant_e5m2_avx512, cvt_e5m2, 1.0f)
+DEFINE_DEQUANT_AVX512(dequant_e4m3_avx512, cvt_e4m3, 256.0f)
+#endif
 
-#define DEFINE_Q8_KERNEL(NAME, QT, QLOAD, STORE, SCORE, VALUE)                               \
+/* One thread's part, as DEFINE_KERNEL's, over 8-bit rows of R = D + 2 bytes: DEQUANT fills
+   the tile, SCORE / VALUE are the float32 inner loops. */
+#define DEFINE_Q8_KERNEL(NAME, QT, QLOAD, STORE, DEQUANT, SCORE, VALUE)                      \
 INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
   const int64_t KVH = a->num_kv_heads, H = a->num_heads, S = a->num_seqs;                    \
   const int64_t bs = a->block_size, rf = row_floats(a), R = D + 2;                           \
@@ -544,6 +565,7 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
     const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;              \
     float qf[256];                                                                           \
+    float tile[TILE_KEYS * 256];                                                             \
     for (int pass = 0; pass < 2; pass++) {                                                   \
       const uint8_t* cache = (const uint8_t*)(pass == 0 ? a->k_cache : a->v_cache);          \
       for (int64_t p = pb; p < pe; p++) {                                                    \
@@ -551,22 +573,23 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
             ? (const char*)(cache + a->pair_phys[p + PREFETCH_AHEAD] * block_bytes) : 0;      \
         int64_t lo;                                                                          \
         const int64_t hi = pair_keys(a, p, &lo), s = a->pair_seq[p];                         \
-        const int64_t pos = a->pair_block[p] * bs + lo;                                      \
-        const uint8_t* block = cache + a->pair_phys[p] * block_bytes + lo * KVH * R;         \
+        const uint8_t* block = cache + a->pair_phys[p] * block_bytes;                        \
         for (int64_t h = 0; h < KVH; h++) {                                                  \
           if (ahead) prefetch_share(ahead, block_bytes, h, KVH);                             \
-          if (lo >= hi) continue;                                                            \
           float* row = rows + (s * H + h * G) * rf;                                          \
-          if (pass == 0) {                                                                   \
-            for (int64_t g = 0; g < G; g++) {                                                \
-              const QT* q = (const QT*)a->q + (s * H + h * G + g) * D;                       \
-              for (int64_t d = 0; d < D; d++) qf[d] = QLOAD(q[d]);                           \
-              SCORE(qf, block + h * R, KVH * R, hi - lo, a->scale, row + g * rf + pos,       \
-                    a->lut, D);                                                              \
+          for (int64_t k0 = lo; k0 < hi; k0 += TILE_KEYS) {                                  \
+            const int64_t n = hi - k0 < TILE_KEYS ? hi - k0 : TILE_KEYS;                     \
+            const int64_t pos = a->pair_block[p] * bs + k0;                                  \
+            DEQUANT(block + (k0 * KVH + h) * R, KVH * R, n, a->lut, tile, D);                \
+            if (pass == 0) {                                                                 \
+              for (int64_t g = 0; g < G; g++) {                                              \
+                const QT* q = (const QT*)a->q + (s * H + h * G + g) * D;                     \
+                for (int64_t d = 0; d < D; d++) qf[d] = QLOAD(q[d]);                         \
+                SCORE(qf, tile, D, n, a->scale, row + g * rf + pos, D);                      \
+              }                                                                              \
+            } else {                                                                         \
+              VALUE(row + pos, rf, tile, D, n, partial_sum(a, t, s * H + h * G), D, G);      \
             }                                                                                \
-          } else {                                                                           \
-            VALUE(row + pos, rf, block + h * R, KVH * R, hi - lo,                            \
-                  partial_sum(a, t, s * H + h * G), a->lut, D, G);                           \
           }                                                                                  \
         }                                                                                    \
       }                                                                                      \
@@ -595,23 +618,53 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
     }                                                                                        \
   }                                                                                          \
 }
-DEFINE_Q8_KERNEL(kernel_q8_f32_int8, float, load_f32, store_f32, score_q8_int8, value_q8_int8)
-DEFINE_Q8_KERNEL(kernel_q8_f32_lut, float, load_f32, store_f32, score_q8_lut, value_q8_lut)
-DEFINE_Q8_KERNEL(kernel_q8_bf16_int8, bf16_t, load_bf16, store_bf16, score_q8_int8,
-                 value_q8_int8)
-DEFINE_Q8_KERNEL(kernel_q8_bf16_lut, bf16_t, load_bf16, store_bf16, score_q8_lut, value_q8_lut)
-DISPATCH(run_q8_f32_int8, kernel_q8_f32_int8)
-DISPATCH(run_q8_f32_lut, kernel_q8_f32_lut)
-DISPATCH(run_q8_bf16_int8, kernel_q8_bf16_int8)
-DISPATCH(run_q8_bf16_lut, kernel_q8_bf16_lut)
+/* Instances: literal head_dim only (any group size; the 16-bit kernels' G literals would
+   double the compile time), portable ones generic. */
+#define DISPATCH_Q8(NAME, KERNEL)                                                            \
+static void NAME(const decode_args* a) {                                                     \
+  const int64_t G = a->num_heads / a->num_kv_heads;                                          \
+  if (a->head_dim == 64) PARALLEL(KERNEL, 64, G)                                             \
+  if (a->head_dim == 128) PARALLEL(KERNEL, 128, G)                                           \
+  PARALLEL(KERNEL, a->head_dim, G)                                                           \
+}
+#define Q8_INSTANCE(NAME, QT, DEQUANT, SCORE, VALUE)                                         \
+  DEFINE_Q8_KERNEL(kernel_##NAME, QT##_t_, load_##QT, store_##QT, DEQUANT, SCORE, VALUE)      \
+  DISPATCH_Q8(run_##NAME, kernel_##NAME)
+typedef float f32_t_;
+typedef bf16_t bf16_t_;
+Q8_INSTANCE(q8_f32_int8, f32, dequant_int8_portable, score_f32_portable, value_f32_portable)
+Q8_INSTANCE(q8_f32_lut, f32, dequant_lut_portable, score_f32_portable, value_f32_portable)
+Q8_INSTANCE(q8_bf16_int8, bf16, dequant_int8_portable, score_f32_portable, value_f32_portable)
+Q8_INSTANCE(q8_bf16_lut, bf16, dequant_lut_portable, score_f32_portable, value_f32_portable)
+#ifdef USE_Q8_AVX512
+Q8_INSTANCE(q8_f32_int8_avx512, f32, dequant_int8_avx512, score_f32_avx512, value_f32_avx512)
+Q8_INSTANCE(q8_f32_e4m3_avx512, f32, dequant_e4m3_avx512, score_f32_avx512, value_f32_avx512)
+Q8_INSTANCE(q8_f32_e5m2_avx512, f32, dequant_e5m2_avx512, score_f32_avx512, value_f32_avx512)
+Q8_INSTANCE(q8_bf16_int8_avx512, bf16, dequant_int8_avx512, score_f32_avx512,
+            value_f32_avx512)
+Q8_INSTANCE(q8_bf16_e4m3_avx512, bf16, dequant_e4m3_avx512, score_f32_avx512,
+            value_f32_avx512)
+Q8_INSTANCE(q8_bf16_e5m2_avx512, bf16, dequant_e5m2_avx512, score_f32_avx512,
+            value_f32_avx512)
+#define Q8_ENTRY(QT, FMT, PORTABLE)                                                          \
+  void paged_decode_attention_q8_##QT##_##FMT(const decode_args* a) {                        \
+    if (vector_shape(a)) { run_q8_##QT##_##FMT##_avx512(a); return; }                        \
+    run_##PORTABLE(a);                                                                       \
+  }
+#else
+#define Q8_ENTRY(QT, FMT, PORTABLE)                                                          \
+  void paged_decode_attention_q8_##QT##_##FMT(const decode_args* a) { run_##PORTABLE(a); }
+#endif
+/* Entry points: query dtype (f32, bf16) x format (int8, e4m3, e5m2); head_dim <= 256. */
+Q8_ENTRY(f32, int8, q8_f32_int8)
+Q8_ENTRY(f32, e4m3, q8_f32_lut)
+Q8_ENTRY(f32, e5m2, q8_f32_lut)
+Q8_ENTRY(bf16, int8, q8_bf16_int8)
+Q8_ENTRY(bf16, e4m3, q8_bf16_lut)
+Q8_ENTRY(bf16, e5m2, q8_bf16_lut)
 
-/* Entry points: query dtype x value decoding (int8, or a table for fp8); head_dim <= 256. */
-void paged_decode_attention_q8_f32_int8(const decode_args* a) { run_q8_f32_int8(a); }
-void paged_decode_attention_q8_f32_lut(const decode_args* a) { run_q8_f32_lut(a); }
-void paged_decode_attention_q8_bf16_int8(const decode_args* a) { run_q8_bf16_int8(a); }
-void paged_decode_attention_q8_bf16_lut(const decode_args* a) { run_q8_bf16_lut(a); }
-
-/* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16. */
+/* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16,
+   bit 2 8-bit caches AVX-512. */
 int paged_decode_features(void) {
   int f = 0;
 #ifdef USE_AVX512
@@ -619,6 +672,9 @@ int paged_decode_features(void) {
 #endif
 #ifdef USE_AVX512_BF16
   f |= 2;
+#endif
+#ifdef USE_Q8_AVX512
+  f |= 4;
 #endif
   return f;
 }

@@ -85,17 +85,19 @@ def decode_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
-@pytest.mark.parametrize("block_size, sliding_window", [(4, None), (16, 10), (1, None)])
+@pytest.mark.parametrize("block_size, sliding_window, head_dim",
+                         [(4, None, 16), (16, 10, 32), (1, None, 16), (16, None, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_step_matches_dequantized_reference(fmt_name, block_size, sliding_window, dtype,
-                                                  decode_path, monkeypatch):
+def test_mixed_step_matches_dequantized_reference(fmt_name, block_size, sliding_window,
+                                                  head_dim, dtype, decode_path, monkeypatch):
     """A step mixing prompts, chunks, prefix hits and decodes; small chunks so that contexts
-    span several of them (the online softmax merges)."""
+    span several of them (the online softmax merges). head_dim 32 and 64: the kernel's
+    AVX-512 loops where the build has them; 16: its portable loops."""
     monkeypatch.setattr(quantized_backend, "CHUNK_BLOCKS", 2)
     monkeypatch.setattr(quantized_backend.chunked_attention, "__defaults__",
                         (None, 2))
     q, k, v, cache, metadata, tables, seq_lens = quantized_step(MIXED_BATCH, block_size, dtype,
-                                                                fmt_name)
+                                                                fmt_name, head_dim=head_dim)
     scale = q.shape[-1] ** -0.5
     out = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, sliding_window)
     expected = reference(q, cache, MIXED_BATCH, seq_lens, tables, scale, sliding_window)
