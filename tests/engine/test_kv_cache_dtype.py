@@ -71,3 +71,31 @@ def test_8bit_cache_bytes_and_errors(llama_dir):
         int8.llm_engine.num_gpu_blocks * 16 * per_token * (head_dim + 2))
     with pytest.raises(ValueError, match="kv_cache_dtype='int4'.*'int8', 'fp8'"):
         LLM(str(llama_dir), kv_cache_dtype="int4")
+
+
+def test_stats_endpoint_reports_the_kv_cache_dtype_and_block_bytes(llama_dir):
+    import asyncio
+
+    import httpx
+
+    from pagellm.core.async_engine import AsyncLLMEngine
+    from pagellm.entrypoints.openai.api_server import build_app
+    from pagellm.metrics import EngineMetrics
+
+    llm = LLM(str(llama_dir), kv_cache_dtype="fp8", num_gpu_blocks_override=16, max_model_len=64)
+
+    async def main():
+        metrics = EngineMetrics("m")
+        app = build_app(AsyncLLMEngine(llm.llm_engine, on_step=metrics.observe_step), ["m"],
+                        metrics)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                return (await c.get("/stats")).json()
+
+    stats = asyncio.run(asyncio.wait_for(main(), 30))
+    config = llm.llm_engine.hf_config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert stats["kv_cache_dtype"] == "fp8"
+    assert stats["kv_bytes_per_block"] == 16 * 2 * config.num_hidden_layers * (
+        config.num_key_value_heads * (head_dim + 2))
