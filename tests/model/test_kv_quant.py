@@ -133,3 +133,31 @@ def test_step_store_writes_quantized_rows():
     untouched = torch.ones(flat.shape[0], dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(flat[untouched], before.flatten(0, 1)[untouched])
+
+
+def test_cache_engine_moves_scales_with_their_blocks():
+    """copy_blocks (copy-on-write) and swap out / in move whole rows: values and scales."""
+    from types import SimpleNamespace
+
+    from pagellm.worker.cache_engine import CacheEngine
+
+    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, num_attention_heads=4,
+                             hidden_size=64, head_dim=16, model_type="llama")
+    fmt = FORMATS["int8"]
+    engine = CacheEngine(config, 6, 4, 4, torch.float32, "cpu", fmt)
+    assert engine.device_cache.dtype == torch.uint8 and engine.device_cache.shape[-1] == 18
+    assert engine.block_bytes == 4 * 2 * 2 * 2 * 18
+    rows = torch.randn(2, 2, 4, 2, 16, generator=torch.Generator().manual_seed(4))
+    for layer, cache in enumerate(engine.kv_caches):
+        assert isinstance(cache, QuantizedKVCache) and cache.format is fmt
+        cache.key[1] = kv_quant.quantize(rows[layer, 0], fmt)
+        cache.value[1] = kv_quant.quantize(rows[layer, 1], fmt)
+    block = engine.device_cache[:, :, 1].clone()
+    engine.copy_blocks([(1, 4)])
+    engine.swap_out([(1, 3)])
+    engine.device_cache[:, :, 1] = 0
+    engine.swap_in([(3, 5)])
+    for target in (4, 5):
+        assert torch.equal(engine.device_cache[:, :, target], block)
+    k_ref, _ = kv_quant.dequantized_cache(engine.kv_caches[0])
+    torch.testing.assert_close(k_ref[5].float(), rows[0, 0], atol=0.05, rtol=0.02)
