@@ -85,10 +85,11 @@ def attention(num_seqs: int, context: int, kv_dtype: str, iters: int) -> dict:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    ms = statistics.median(times[1:]) * 1e3
+    # the fastest pass: this machine is shared, and other load only ever adds time
+    ms, median = min(times[1:]) * 1e3, statistics.median(times[1:]) * 1e3
     kv_bytes = 2 * layers * num_seqs * context * kv_heads * (row if fmt else head_dim * 2)
     return {"kv_cache_dtype": kv_dtype, "num_seqs": num_seqs, "context": context,
-            "ms_12_layers": round(ms, 2), "kv_bytes": kv_bytes,
+            "ms_12_layers": round(ms, 2), "median_ms": round(median, 2), "kv_bytes": kv_bytes,
             "gb_per_s": round(kv_bytes / ms / 1e6, 1)}
 
 

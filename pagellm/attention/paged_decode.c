@@ -510,7 +510,9 @@ INLINE float row_scale(const uint8_t* row, int64_t D) {
 /* tile[i * D + d] = value(row_i[d]) * scale_i for the n rows row_i = rows + i * stride. */
 #define DEFINE_DEQUANT_PORTABLE(NAME, LOAD8)                                                 \
 INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,                    \
-                 const float* restrict lut, float* restrict tile, const int64_t D) {         \
+                 const float* restrict lut, float* restrict tile, float* restrict sc,        \
+                 const int64_t D) {                                                          \
+  (void)sc;                                                                                  \
   for (int64_t i = 0; i < n; i++) {                                                          \
     const uint8_t* restrict r = rows + i * stride;                                           \
     const float s = row_scale(r, D);                                                         \
@@ -539,8 +541,9 @@ INLINE __m512 cvt_e4m3(const uint8_t* p) {
 }
 #define DEFINE_DEQUANT_AVX512(NAME, CVT, FACTOR)                                             \
 INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,                    \
-                 const float* restrict lut, float* restrict tile, const int64_t D) {         \
-  (void)lut;                                                                                 \
+                 const float* restrict lut, float* restrict tile, float* restrict sc,        \
+                 const int64_t D) {                                                          \
+  (void)lut; (void)sc;                                                                       \
   for (int64_t i = 0; i < n; i++) {                                                          \
     const uint8_t* restrict r = rows + i * stride;                                           \
     const __m512 s = _mm512_set1_ps((FACTOR) * row_scale(r, D));                             \
@@ -553,9 +556,65 @@ DEFINE_DEQUANT_AVX512(dequant_e5m2_avx512, cvt_e5m2, 1.0f)
 DEFINE_DEQUANT_AVX512(dequant_e4m3_avx512, cvt_e4m3, 256.0f)
 #endif
 
+/* Float32 tiles: the query row converted to float32, then the float32 inner loops. */
+#define DEFINE_F32_TILE_OPS(SUFFIX, QT, QLOAD, SCORE, VALUE)                                 \
+INLINE void score_tile_##SUFFIX(const QT* q, const float* tile, const float* sc, int64_t n,  \
+                                float scale, float* out, const int64_t D) {                  \
+  float qf[256];                                                                             \
+  (void)sc;                                                                                  \
+  for (int64_t d = 0; d < D; d++) qf[d] = QLOAD(q[d]);                                       \
+  SCORE(qf, tile, D, n, scale, out, D);                                                      \
+}                                                                                            \
+INLINE void value_tile_##SUFFIX(float* w, int64_t ws, const float* tile, const float* sc,    \
+                                int64_t n, float* acc, const int64_t D, const int64_t G) {   \
+  (void)sc;                                                                                  \
+  VALUE(w, ws, tile, D, n, acc, D, G);                                                       \
+}
+
+#ifdef USE_AVX512_BF16
+/* bfloat16 query, bfloat16 tiles: the rows' values unscaled (8-bit values are exact in
+   bfloat16), their scales beside (sc); scores by the bfloat16 dot products, times the key's
+   scale after; the softmax weights times the value's scale, rounded to bfloat16 as the
+   bfloat16 kernel rounds them, by the bfloat16 value loop. At most BF16_TILE_GROUP query
+   heads per KV head (the weights' tile); larger groups take the float32 tiles. */
+#define BF16_TILE_GROUP 64
+#define DEFINE_DEQUANT_BF16(NAME, CVT, FACTOR)                                               \
+INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,                    \
+                 const float* restrict lut, bf16_t* restrict tile, float* restrict sc,       \
+                 const int64_t D) {                                                          \
+  (void)lut;                                                                                 \
+  for (int64_t i = 0; i < n; i++) {                                                          \
+    const uint8_t* restrict r = rows + i * stride;                                           \
+    sc[i] = (FACTOR) * row_scale(r, D);                                                      \
+    for (int64_t d = 0; d < D; d += 16)                                                      \
+      _mm256_storeu_si256((__m256i*)(tile + i * D + d), (__m256i)_mm512_cvtneps_pbh(CVT(r + d))); \
+  }                                                                                          \
+}
+DEFINE_DEQUANT_BF16(dequant_int8_bf16, cvt_int8, 1.0f)
+DEFINE_DEQUANT_BF16(dequant_e5m2_bf16, cvt_e5m2, 1.0f)
+DEFINE_DEQUANT_BF16(dequant_e4m3_bf16, cvt_e4m3, 256.0f)
+INLINE void score_tile_bf16(const bf16_t* q, const bf16_t* tile, const float* sc, int64_t n,
+                            float scale, float* out, const int64_t D) {
+  score_bf16_avx512(q, tile, D, n, scale, out, D);
+  for (int64_t i = 0; i < n; i++) out[i] *= sc[i];
+}
+INLINE void value_tile_bf16(float* w, int64_t ws, const bf16_t* tile, const float* sc,
+                            int64_t n, float* acc, const int64_t D, const int64_t G) {
+  bf16_t wt[BF16_TILE_GROUP * TILE_KEYS + 2]; /* + 2: the pair read past a tile's last key */
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 scales = _mm512_maskz_loadu_ps(m, sc + i);
+    for (int64_t g = 0; g < G; g++)
+      _mm256_mask_storeu_epi16(wt + g * TILE_KEYS + i, m, (__m256i)_mm512_cvtneps_pbh(
+          _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + g * ws + i), scales)));
+  }
+  value_bf16_avx512(wt, TILE_KEYS, tile, D, n, acc, D, G);
+}
+#endif
+
 /* One thread's part, as DEFINE_KERNEL's, over 8-bit rows of R = D + 2 bytes: DEQUANT fills
    the tile, SCORE / VALUE are the float32 inner loops. */
-#define DEFINE_Q8_KERNEL(NAME, QT, QLOAD, STORE, DEQUANT, SCORE, VALUE)                      \
+#define DEFINE_Q8_KERNEL(NAME, QT, STORE, TT, DEQUANT, SCORE, VALUE)                         \
 INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
   const int64_t KVH = a->num_kv_heads, H = a->num_heads, S = a->num_seqs;                    \
   const int64_t bs = a->block_size, rf = row_floats(a), R = D + 2;                           \
@@ -564,8 +623,8 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
   {                                                                                          \
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
     const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;              \
-    float qf[256];                                                                           \
-    float tile[TILE_KEYS * 256];                                                             \
+    TT tile[TILE_KEYS * 256];                                                                \
+    float sc[TILE_KEYS];                                                                     \
     for (int pass = 0; pass < 2; pass++) {                                                   \
       const uint8_t* cache = (const uint8_t*)(pass == 0 ? a->k_cache : a->v_cache);          \
       for (int64_t p = pb; p < pe; p++) {                                                    \
@@ -580,15 +639,13 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
           for (int64_t k0 = lo; k0 < hi; k0 += TILE_KEYS) {                                  \
             const int64_t n = hi - k0 < TILE_KEYS ? hi - k0 : TILE_KEYS;                     \
             const int64_t pos = a->pair_block[p] * bs + k0;                                  \
-            DEQUANT(block + (k0 * KVH + h) * R, KVH * R, n, a->lut, tile, D);                \
+            DEQUANT(block + (k0 * KVH + h) * R, KVH * R, n, a->lut, tile, sc, D);            \
             if (pass == 0) {                                                                 \
-              for (int64_t g = 0; g < G; g++) {                                              \
-                const QT* q = (const QT*)a->q + (s * H + h * G + g) * D;                     \
-                for (int64_t d = 0; d < D; d++) qf[d] = QLOAD(q[d]);                         \
-                SCORE(qf, tile, D, n, a->scale, row + g * rf + pos, D);                      \
-              }                                                                              \
+              for (int64_t g = 0; g < G; g++)                                                \
+                SCORE((const QT*)a->q + (s * H + h * G + g) * D, tile, sc, n, a->scale,      \
+                      row + g * rf + pos, D);                                                \
             } else {                                                                         \
-              VALUE(row + pos, rf, tile, D, n, partial_sum(a, t, s * H + h * G), D, G);      \
+              VALUE(row + pos, rf, tile, sc, n, partial_sum(a, t, s * H + h * G), D, G);     \
             }                                                                                \
           }                                                                                  \
         }                                                                                    \
@@ -627,28 +684,47 @@ static void NAME(const decode_args* a) {                                        
   if (a->head_dim == 128) PARALLEL(KERNEL, 128, G)                                           \
   PARALLEL(KERNEL, a->head_dim, G)                                                           \
 }
-#define Q8_INSTANCE(NAME, QT, DEQUANT, SCORE, VALUE)                                         \
-  DEFINE_Q8_KERNEL(kernel_##NAME, QT##_t_, load_##QT, store_##QT, DEQUANT, SCORE, VALUE)      \
+#define Q8_INSTANCE(NAME, QT, TT, DEQUANT, OPS)                                              \
+  DEFINE_Q8_KERNEL(kernel_##NAME, QT, store_##QT, TT, DEQUANT, score_tile_##OPS,             \
+                   value_tile_##OPS)                                                         \
   DISPATCH_Q8(run_##NAME, kernel_##NAME)
-typedef float f32_t_;
-typedef bf16_t bf16_t_;
-Q8_INSTANCE(q8_f32_int8, f32, dequant_int8_portable, score_f32_portable, value_f32_portable)
-Q8_INSTANCE(q8_f32_lut, f32, dequant_lut_portable, score_f32_portable, value_f32_portable)
-Q8_INSTANCE(q8_bf16_int8, bf16, dequant_int8_portable, score_f32_portable, value_f32_portable)
-Q8_INSTANCE(q8_bf16_lut, bf16, dequant_lut_portable, score_f32_portable, value_f32_portable)
+typedef bf16_t bf16;
+typedef float f32;
+DEFINE_F32_TILE_OPS(f32_portable, float, load_f32, score_f32_portable, value_f32_portable)
+DEFINE_F32_TILE_OPS(bf16_portable, bf16_t, load_bf16, score_f32_portable, value_f32_portable)
+Q8_INSTANCE(q8_f32_int8, f32, float, dequant_int8_portable, f32_portable)
+Q8_INSTANCE(q8_f32_lut, f32, float, dequant_lut_portable, f32_portable)
+Q8_INSTANCE(q8_bf16_int8, bf16, float, dequant_int8_portable, bf16_portable)
+Q8_INSTANCE(q8_bf16_lut, bf16, float, dequant_lut_portable, bf16_portable)
 #ifdef USE_Q8_AVX512
-Q8_INSTANCE(q8_f32_int8_avx512, f32, dequant_int8_avx512, score_f32_avx512, value_f32_avx512)
-Q8_INSTANCE(q8_f32_e4m3_avx512, f32, dequant_e4m3_avx512, score_f32_avx512, value_f32_avx512)
-Q8_INSTANCE(q8_f32_e5m2_avx512, f32, dequant_e5m2_avx512, score_f32_avx512, value_f32_avx512)
-Q8_INSTANCE(q8_bf16_int8_avx512, bf16, dequant_int8_avx512, score_f32_avx512,
-            value_f32_avx512)
-Q8_INSTANCE(q8_bf16_e4m3_avx512, bf16, dequant_e4m3_avx512, score_f32_avx512,
-            value_f32_avx512)
-Q8_INSTANCE(q8_bf16_e5m2_avx512, bf16, dequant_e5m2_avx512, score_f32_avx512,
-            value_f32_avx512)
+DEFINE_F32_TILE_OPS(f32_avx512, float, load_f32, score_f32_avx512, value_f32_avx512)
+DEFINE_F32_TILE_OPS(bf16_avx512, bf16_t, load_bf16, score_f32_avx512, value_f32_avx512)
+Q8_INSTANCE(q8_f32_int8_avx512, f32, float, dequant_int8_avx512, f32_avx512)
+Q8_INSTANCE(q8_f32_e4m3_avx512, f32, float, dequant_e4m3_avx512, f32_avx512)
+Q8_INSTANCE(q8_f32_e5m2_avx512, f32, float, dequant_e5m2_avx512, f32_avx512)
+Q8_INSTANCE(q8_bf16_int8_avx512, bf16, float, dequant_int8_avx512, bf16_avx512)
+Q8_INSTANCE(q8_bf16_e4m3_avx512, bf16, float, dequant_e4m3_avx512, bf16_avx512)
+Q8_INSTANCE(q8_bf16_e5m2_avx512, bf16, float, dequant_e5m2_avx512, bf16_avx512)
+#endif
+#ifdef USE_AVX512_BF16
+Q8_INSTANCE(q8_bf16_int8_bf16dp, bf16, bf16_t, dequant_int8_bf16, bf16)
+Q8_INSTANCE(q8_bf16_e4m3_bf16dp, bf16, bf16_t, dequant_e4m3_bf16, bf16)
+Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
+#define BF16DP(QT, FMT, a)                                                                   \
+  if (QT##_is_bf16 && a->num_heads / a->num_kv_heads <= BF16_TILE_GROUP) {                   \
+    run_q8_bf16_##FMT##_bf16dp(a); return;                                                   \
+  }
+#else
+#define BF16DP(QT, FMT, a)
+#endif
+enum { f32_is_bf16 = 0, bf16_is_bf16 = 1 };
+#ifdef USE_Q8_AVX512
 #define Q8_ENTRY(QT, FMT, PORTABLE)                                                          \
   void paged_decode_attention_q8_##QT##_##FMT(const decode_args* a) {                        \
-    if (vector_shape(a)) { run_q8_##QT##_##FMT##_avx512(a); return; }                        \
+    if (vector_shape(a)) {                                                                   \
+      BF16DP(QT, FMT, a)                                                                     \
+      run_q8_##QT##_##FMT##_avx512(a); return;                                               \
+    }                                                                                        \
     run_##PORTABLE(a);                                                                       \
   }
 #else
