@@ -17,7 +17,7 @@
   EOS ignored) on the "small" model per kv_cache_dtype: peak concurrent sequences (running,
   per step) and output tokens/s.
 - ``weights``: batch-1 greedy decode tokens/s with bfloat16, int8 and int4 weights on the
-  "small" model and the real GGUF model (128 new tokens after a 16-token prompt).
+  "small" model and the real GGUF model (--new-tokens, default 48, after a 16-token prompt).
 """
 from __future__ import annotations
 
