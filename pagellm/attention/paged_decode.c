@@ -586,8 +586,9 @@ INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,       
   for (int64_t i = 0; i < n; i++) {                                                          \
     const uint8_t* restrict r = rows + i * stride;                                           \
     sc[i] = (FACTOR) * row_scale(r, D);                                                      \
-    for (int64_t d = 0; d < D; d += 16)                                                      \
-      _mm256_storeu_si256((__m256i*)(tile + i * D + d), (__m256i)_mm512_cvtneps_pbh(CVT(r + d))); \
+    for (int64_t d = 0; d < D; d += 32) /* whole 64-byte stores: the dot products' loads */  \
+      _mm512_storeu_si512(tile + i * D + d, /* forward from them, not from two halves */    \
+                          (__m512i)_mm512_cvtne2ps_pbh(CVT(r + d + 16), CVT(r + d)));        \
   }                                                                                          \
 }
 DEFINE_DEQUANT_BF16(dequant_int8_bf16, cvt_int8, 1.0f)
@@ -596,7 +597,11 @@ DEFINE_DEQUANT_BF16(dequant_e4m3_bf16, cvt_e4m3, 256.0f)
 INLINE void score_tile_bf16(const bf16_t* q, const bf16_t* tile, const float* sc, int64_t n,
                             float scale, float* out, const int64_t D) {
   score_bf16_avx512(q, tile, D, n, scale, out, D);
-  for (int64_t i = 0; i < n; i++) out[i] *= sc[i];
+  for (int64_t i = 0; i < n; i += 16) { /* vector loads of the vector stores just made */
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + i),
+                                                    _mm512_maskz_loadu_ps(m, sc + i)));
+  }
 }
 INLINE void value_tile_bf16(float* w, int64_t ws, const bf16_t* tile, const float* sc,
                             int64_t n, float* acc, const int64_t D, const int64_t G) {
@@ -604,8 +609,8 @@ INLINE void value_tile_bf16(float* w, int64_t ws, const bf16_t* tile, const floa
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
     const __m512 scales = _mm512_maskz_loadu_ps(m, sc + i);
-    for (int64_t g = 0; g < G; g++)
-      _mm256_mask_storeu_epi16(wt + g * TILE_KEYS + i, m, (__m256i)_mm512_cvtneps_pbh(
+    for (int64_t g = 0; g < G; g++) /* unmasked: the value loop's loads forward from it */
+      _mm256_storeu_si256((__m256i*)(wt + g * TILE_KEYS + i), (__m256i)_mm512_cvtneps_pbh(
           _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + g * ws + i), scales)));
   }
   value_bf16_avx512(wt, TILE_KEYS, tile, D, n, acc, D, G);
