@@ -17,6 +17,8 @@ _GiB = 1 << 30
 # vLLM's (and torch's) other spellings of the dtypes
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "fp32": "float32"}
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATION_METHODS = (None, "int8", "int4")
 
 
 @dataclass(slots=True)
@@ -62,6 +64,14 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # KV cache storage: "auto" (the model dtype) or 8-bit "int8", "fp8" (= "fp8_e4m3"),
+    # "fp8_e5m2", with a scale per token and KV head (attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
+    # Weight-only quantization of the linear layers on load: None, "int8" (per output
+    # channel) or "int4" (groups of quantization_group_size input columns); see
+    # model/layers/quantized_linear.py
+    quantization: str | None = None
+    quantization_group_size: int = 128
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field, its value and its limit."""
@@ -99,6 +109,14 @@ class EngineArgs:
                "must be 'auto', 'vllm' or a folder holding generation_config.json")
         _check(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager,
                "must be True or False")
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("quantization", self.quantization, QUANTIZATION_METHODS)
+        _choice("quantization_group_size", self.quantization_group_size, (32, 64, 128, 256))
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"quantization={self.quantization!r} with tensor_parallel_size="
+                f"{self.tensor_parallel_size}: quantized layers are not split over ranks; use "
+                "tensor_parallel_size=1 or quantization=None")
         self._validate_lora()
 
     def _validate_lora(self) -> None:

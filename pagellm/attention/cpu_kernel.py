@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pagellm import native
+from pagellm.attention.kv_quant import KVFormat, QuantizedKVCache
 
 
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
@@ -40,7 +41,7 @@ class _DecodeArgs(ctypes.Structure):
         + [(name, ctypes.c_int64) for name in (
             "num_pairs", "num_seqs", "num_heads", "num_kv_heads", "head_dim", "block_size",
             "max_seq_len", "window", "num_threads", "new_stride")]
-        + [("scale", ctypes.c_float)])
+        + [("scale", ctypes.c_float), ("lut", ctypes.c_void_p)])
 
 
 class _Kernel:
@@ -84,10 +85,12 @@ def supports(query: torch.Tensor) -> bool:
 
 
 def vector_paths() -> dict[str, bool]:
-    """Which dtypes the loaded build runs with AVX-512 inner loops (head_dim % 32 == 0)."""
+    """Which dtypes the loaded build runs with AVX-512 inner loops (head_dim % 32 == 0);
+    ``8-bit`` is the int8 / fp8 caches' (kv_quant.py)."""
     library = _KERNEL.load()
     features = library.paged_decode_features() if library is not None else 0
-    return {"float32": bool(features & 1), "bfloat16": bool(features & 2)}
+    return {"float32": bool(features & 1), "bfloat16": bool(features & 2),
+            "8-bit": bool(features & 4)}
 
 
 def describe() -> str:
@@ -151,6 +154,56 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
+def supports_quantized(query: torch.Tensor, cache: QuantizedKVCache) -> bool:
+    """Whether the kernel reads this 8-bit cache for this query (head_dim <= 256)."""
+    return supports(query) and cache.head_dim <= 256
+
+
+def paged_decode_attention_quantized(query: torch.Tensor, cache: QuantizedKVCache,
+                                     pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                                     seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                                     sliding_window: int | None = None) -> torch.Tensor:
+    """paged_decode_attention over an 8-bit cache (kv_quant.QuantizedKVCache: rows of
+    head_dim bytes and a bfloat16 scale), dequantized row by row in the kernel; the step's
+    K/V must be in the cache already. Caller guarantees supports_quantized(query, cache)."""
+    library = _KERNEL.load()
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = cache.key.shape[1], cache.key.shape[2]
+    if not (cache.key.is_contiguous() and cache.value.is_contiguous()
+            and cache.key.dtype == cache.value.dtype == torch.uint8
+            and head_dim == cache.head_dim):
+        raise ValueError("paged_decode_attention_quantized needs contiguous uint8 rows of "
+                         f"head_dim + 2 = {head_dim + 2} bytes")
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    lut = _lut(cache.format)
+    pair_seq, pair_block, pair_phys = pairs
+    threads = torch.get_num_threads()
+    rows = num_seqs * num_heads
+    workspace = _KERNEL.scratch(rows * (max_seq_len + (max_seq_len + 1) // 2 + 1
+                                        + threads * head_dim))
+    args = _DecodeArgs(
+        query.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(), out.data_ptr(),
+        None, None, None, pair_seq.data_ptr(), pair_block.data_ptr(), pair_phys.data_ptr(),
+        seq_lens.data_ptr(), workspace.data_ptr(), len(pair_seq), num_seqs, num_heads,
+        num_kv_heads, head_dim, block_size, max_seq_len, sliding_window or 0, threads, 0, scale,
+        lut.data_ptr())
+    decoding = {"int8": "int8", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}[cache.format.name]
+    getattr(library, f"paged_decode_attention_q8_{_SUFFIX[query.dtype]}_{decoding}")(
+        ctypes.byref(args))
+    return out
+
+
+_LUTS: dict[str, torch.Tensor] = {}
+
+
+def _lut(fmt: KVFormat) -> torch.Tensor:
+    """The format's byte -> float32 table, kept alive for the kernel's pointer."""
+    if fmt.name not in _LUTS:
+        _LUTS[fmt.name] = fmt.lut().contiguous()
+    return _LUTS[fmt.name]
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """[num_seqs, num_kv_heads, D] with each token's row contiguous (the projections' views
     already are); only the stride between tokens may be anything."""
@@ -168,7 +221,9 @@ def _build_and_load(level: str | None, portable: bool) -> ctypes.CDLL | None:
                                     level)
     if library is not None:
         for suffix in _SUFFIX.values():
-            getattr(library, "paged_decode_attention_" + suffix).argtypes = [
-                ctypes.POINTER(_DecodeArgs)]
+            for name in ("", "q8_"):
+                for decoding in ("",) if name == "" else ("_int8", "_e4m3", "_e5m2"):
+                    getattr(library, f"paged_decode_attention_{name}{suffix}{decoding}"
+                            ).argtypes = [ctypes.POINTER(_DecodeArgs)]
         library.paged_decode_features.restype = ctypes.c_int
     return library

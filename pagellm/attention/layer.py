@@ -8,10 +8,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagellm.attention import quantized_backend
+from pagellm.attention.kv_quant import KVFormat, QuantizedKVCache, fake_quantize
 from pagellm.attention.metadata import AttentionMetadata
 from pagellm.attention.torch_backend import paged_attention
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (key, value), each [num_blocks, block_size, KVH, D]
+# (key, value), each [num_blocks, block_size, KVH, D]; or an 8-bit cache (kv_quant.py)
+KVCache = tuple[torch.Tensor, torch.Tensor] | QuantizedKVCache
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -49,6 +52,11 @@ def _triton_paged_attention() -> Callable[..., torch.Tensor] | None:
     return triton_backend.paged_attention
 
 
+def _triton_paged_attention_quantized() -> Callable[..., torch.Tensor]:
+    from pagellm.attention import triton_backend
+    return triton_backend.paged_attention_quantized
+
+
 class Attention(nn.Module):
     """Scaled dot-product attention of a step's queries over their sequences' cached context.
 
@@ -65,12 +73,24 @@ class Attention(nn.Module):
                              f"num_key_value_heads={num_kv_heads}")
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale, self.sliding_window = scale, sliding_window
+        # For comparisons only: store the step's K/V rounded through this 8-bit format into a
+        # cache of the model dtype (what an 8-bit cache's reader sees, read by the unquantized
+        # paths): the engine that tests and quality checks hold the 8-bit cache against.
+        self.reference_kv_format: KVFormat | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, metadata: AttentionMetadata) -> torch.Tensor:
         """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]."""
-        k_cache, v_cache = kv_cache
         attend = select_backend(query)
+        if self.reference_kv_format is not None:
+            key = fake_quantize(key, self.reference_kv_format)
+            value = fake_quantize(value, self.reference_kv_format)
+        if isinstance(kv_cache, QuantizedKVCache):
+            attend = (quantized_backend.paged_attention if attend is paged_attention
+                      else _triton_paged_attention_quantized())
+            return attend(query, key, value, kv_cache, metadata, self.scale,
+                          self.sliding_window)
+        k_cache, v_cache = kv_cache
         return attend(query, key, value, k_cache, v_cache, metadata, self.scale,
                       self.sliding_window)
 

@@ -96,6 +96,7 @@ typedef struct {
   int64_t num_threads;       /* at most this many threads (one partial sum each) */
   int64_t new_stride;
   float scale;
+  const float* lut;          /* 8-bit caches in a table format (fp8): the value of each byte */
 } decode_args;
 
 /* Store the step's K/V rows of sequences [begin, end) in their slots (before attending: a
@@ -484,7 +485,267 @@ void paged_decode_attention_bf16(const decode_args* a) {
   run_bf16_portable(a);
 }
 
-/* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16. */
+/* ---- 8-bit caches (kv_quant.py) ------------------------------------------------------
+   A cache row is head_dim one-byte values, then the row's bfloat16 scale: element d of the
+   row is value(byte d) * scale. The same pair-sorted passes as above; for each (pair, KV
+   head) the kernel dequantizes up to TILE_KEYS of the block's rows into a float32 tile on
+   the stack (L1-resident), then runs the float32 inner loops over it for the G query heads:
+   each byte is converted once, whatever G, and no dequantized copy of any context is made.
+   q * scale is exact in float32, so the result is the float32 attention over the dequantized
+   cache. Softmax weights stay float32 (no bfloat16 rounding). The step's K/V are quantized
+   and stored by the caller before the call.
+
+   Conversion: the portable loops read fp8 (e4m3, e5m2) from the 256-entry table a->lut and
+   convert int8; the AVX-512 ones convert 16 bytes at a time: int8 sign-extends; e5m2 is the
+   high byte of a float16; e4m3 (bias 7) sign-extended and shifted into float16's bit
+   positions reads as the value times 2^-8, so its rows' scales are taken times 2^8 (exact).
+   The quantizer never stores e4m3's NaN code (it clamps to +-448). */
+#define TILE_KEYS 32
+INLINE float row_scale(const uint8_t* row, int64_t D) {
+  bf16_t s;
+  memcpy(&s, row + D, sizeof s);
+  return load_bf16(s);
+}
+
+/* tile[i * D + d] = value(row_i[d]) * scale_i for the n rows row_i = rows + i * stride. */
+#define DEFINE_DEQUANT_PORTABLE(NAME, LOAD8)                                                 \
+INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,                    \
+                 const float* restrict lut, float* restrict tile, float* restrict sc,        \
+                 const int64_t D) {                                                          \
+  (void)sc;                                                                                  \
+  for (int64_t i = 0; i < n; i++) {                                                          \
+    const uint8_t* restrict r = rows + i * stride;                                           \
+    const float s = row_scale(r, D);                                                         \
+    for (int64_t d = 0; d < D; d++) tile[i * D + d] = LOAD8(lut, r[d]) * s;                  \
+  }                                                                                          \
+}
+#define LOAD_INT8(lut, x) ((float)(int8_t)(x))
+#define LOAD_LUT(lut, x) ((lut)[(x)])
+DEFINE_DEQUANT_PORTABLE(dequant_int8_portable, LOAD_INT8)
+DEFINE_DEQUANT_PORTABLE(dequant_lut_portable, LOAD_LUT)
+
+#ifdef USE_AVX512
+#define USE_Q8_AVX512 1
+INLINE __m512 cvt_int8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+INLINE __m512 cvt_e5m2(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(
+      _mm_loadu_si128((const __m128i*)p)), 8));
+}
+INLINE __m512 cvt_e4m3(const uint8_t* p) {
+  /* sign-extended, shifted by 7: the sign in bits 15 and 14, exponent and mantissa in bits
+     13..7; clearing bit 14 leaves a float16 of the value times 2^-8 */
+  const __m256i x = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)), 7);
+  return _mm512_cvtph_ps(_mm256_and_si256(x, _mm256_set1_epi16((short)0xBF80)));
+}
+#define DEFINE_DEQUANT_AVX512(NAME, CVT, FACTOR)                                             \
+INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,                    \
+                 const float* restrict lut, float* restrict tile, float* restrict sc,        \
+                 const int64_t D) {                                                          \
+  (void)lut; (void)sc;                                                                       \
+  for (int64_t i = 0; i < n; i++) {                                                          \
+    const uint8_t* restrict r = rows + i * stride;                                           \
+    const __m512 s = _mm512_set1_ps((FACTOR) * row_scale(r, D));                             \
+    for (int64_t d = 0; d < D; d += 16)                                                      \
+      _mm512_storeu_ps(tile + i * D + d, _mm512_mul_ps(CVT(r + d), s));                      \
+  }                                                                                          \
+}
+DEFINE_DEQUANT_AVX512(dequant_int8_avx512, cvt_int8, 1.0f)
+DEFINE_DEQUANT_AVX512(dequant_e5m2_avx512, cvt_e5m2, 1.0f)
+DEFINE_DEQUANT_AVX512(dequant_e4m3_avx512, cvt_e4m3, 256.0f)
+#endif
+
+/* Float32 tiles: the query row converted to float32, then the float32 inner loops. */
+#define DEFINE_F32_TILE_OPS(SUFFIX, QT, QLOAD, SCORE, VALUE)                                 \
+INLINE void score_tile_##SUFFIX(const QT* q, const float* tile, const float* sc, int64_t n,  \
+                                float scale, float* out, const int64_t D) {                  \
+  float qf[256];                                                                             \
+  (void)sc;                                                                                  \
+  for (int64_t d = 0; d < D; d++) qf[d] = QLOAD(q[d]);                                       \
+  SCORE(qf, tile, D, n, scale, out, D);                                                      \
+}                                                                                            \
+INLINE void value_tile_##SUFFIX(float* w, int64_t ws, const float* tile, const float* sc,    \
+                                int64_t n, float* acc, const int64_t D, const int64_t G) {   \
+  (void)sc;                                                                                  \
+  VALUE(w, ws, tile, D, n, acc, D, G);                                                       \
+}
+
+#ifdef USE_AVX512_BF16
+/* bfloat16 query, bfloat16 tiles: the rows' values unscaled (8-bit values are exact in
+   bfloat16), their scales beside (sc); scores by the bfloat16 dot products, times the key's
+   scale after; the softmax weights times the value's scale, rounded to bfloat16 as the
+   bfloat16 kernel rounds them, by the bfloat16 value loop. At most BF16_TILE_GROUP query
+   heads per KV head (the weights' tile); larger groups take the float32 tiles. */
+#define BF16_TILE_GROUP 64
+#define DEFINE_DEQUANT_BF16(NAME, CVT, FACTOR)                                               \
+INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,                    \
+                 const float* restrict lut, bf16_t* restrict tile, float* restrict sc,       \
+                 const int64_t D) {                                                          \
+  (void)lut;                                                                                 \
+  for (int64_t i = 0; i < n; i++) {                                                          \
+    const uint8_t* restrict r = rows + i * stride;                                           \
+    sc[i] = (FACTOR) * row_scale(r, D);                                                      \
+    for (int64_t d = 0; d < D; d += 32) /* whole 64-byte stores: the dot products' loads */  \
+      _mm512_storeu_si512(tile + i * D + d, /* forward from them, not from two halves */    \
+                          (__m512i)_mm512_cvtne2ps_pbh(CVT(r + d + 16), CVT(r + d)));        \
+  }                                                                                          \
+}
+DEFINE_DEQUANT_BF16(dequant_int8_bf16, cvt_int8, 1.0f)
+DEFINE_DEQUANT_BF16(dequant_e5m2_bf16, cvt_e5m2, 1.0f)
+DEFINE_DEQUANT_BF16(dequant_e4m3_bf16, cvt_e4m3, 256.0f)
+INLINE void score_tile_bf16(const bf16_t* q, const bf16_t* tile, const float* sc, int64_t n,
+                            float scale, float* out, const int64_t D) {
+  score_bf16_avx512(q, tile, D, n, scale, out, D);
+  for (int64_t i = 0; i < n; i += 16) { /* vector loads of the vector stores just made */
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + i),
+                                                    _mm512_maskz_loadu_ps(m, sc + i)));
+  }
+}
+INLINE void value_tile_bf16(float* w, int64_t ws, const bf16_t* tile, const float* sc,
+                            int64_t n, float* acc, const int64_t D, const int64_t G) {
+  bf16_t wt[BF16_TILE_GROUP * TILE_KEYS + 2]; /* + 2: the pair read past a tile's last key */
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 scales = _mm512_maskz_loadu_ps(m, sc + i);
+    for (int64_t g = 0; g < G; g++) /* unmasked: the value loop's loads forward from it */
+      _mm256_storeu_si256((__m256i*)(wt + g * TILE_KEYS + i), (__m256i)_mm512_cvtneps_pbh(
+          _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + g * ws + i), scales)));
+  }
+  value_bf16_avx512(wt, TILE_KEYS, tile, D, n, acc, D, G);
+}
+#endif
+
+/* One thread's part, as DEFINE_KERNEL's, over 8-bit rows of R = D + 2 bytes: DEQUANT fills
+   the tile, SCORE / VALUE are the float32 inner loops. */
+#define DEFINE_Q8_KERNEL(NAME, QT, STORE, TT, DEQUANT, SCORE, VALUE)                         \
+INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
+  const int64_t KVH = a->num_kv_heads, H = a->num_heads, S = a->num_seqs;                    \
+  const int64_t bs = a->block_size, rf = row_floats(a), R = D + 2;                           \
+  const int64_t block_bytes = bs * KVH * R;                                                  \
+  float* rows = a->workspace;                                                                \
+  {                                                                                          \
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
+    const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;              \
+    TT tile[TILE_KEYS * 256];                                                                \
+    float sc[TILE_KEYS];                                                                     \
+    for (int pass = 0; pass < 2; pass++) {                                                   \
+      const uint8_t* cache = (const uint8_t*)(pass == 0 ? a->k_cache : a->v_cache);          \
+      for (int64_t p = pb; p < pe; p++) {                                                    \
+        const char* ahead = p + PREFETCH_AHEAD < pe                                          \
+            ? (const char*)(cache + a->pair_phys[p + PREFETCH_AHEAD] * block_bytes) : 0;      \
+        int64_t lo;                                                                          \
+        const int64_t hi = pair_keys(a, p, &lo), s = a->pair_seq[p];                         \
+        const uint8_t* block = cache + a->pair_phys[p] * block_bytes;                        \
+        for (int64_t h = 0; h < KVH; h++) {                                                  \
+          if (ahead) prefetch_share(ahead, block_bytes, h, KVH);                             \
+          float* row = rows + (s * H + h * G) * rf;                                          \
+          for (int64_t k0 = lo; k0 < hi; k0 += TILE_KEYS) {                                  \
+            const int64_t n = hi - k0 < TILE_KEYS ? hi - k0 : TILE_KEYS;                     \
+            const int64_t pos = a->pair_block[p] * bs + k0;                                  \
+            DEQUANT(block + (k0 * KVH + h) * R, KVH * R, n, a->lut, tile, sc, D);            \
+            if (pass == 0) {                                                                 \
+              for (int64_t g = 0; g < G; g++)                                                \
+                SCORE((const QT*)a->q + (s * H + h * G + g) * D, tile, sc, n, a->scale,      \
+                      row + g * rf + pos, D);                                                \
+            } else {                                                                         \
+              VALUE(row + pos, rf, tile, sc, n, partial_sum(a, t, s * H + h * G), D, G);     \
+            }                                                                                \
+          }                                                                                  \
+        }                                                                                    \
+      }                                                                                      \
+      if (pass == 0) {                                                                       \
+        _Pragma("omp barrier")                                                               \
+        _Pragma("omp for schedule(static)")                                                  \
+        for (int64_t r = 0; r < S * H; r++) {                                                \
+          const int64_t len = a->seq_lens[r / H];                                            \
+          const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;      \
+          float* row = rows + r * rf;                                                        \
+          row[rf - 1] = softmax_row(row, start, len);                                        \
+          for (int64_t u = 0; u < nt; u++) memset(partial_sum(a, u, r), 0, D * sizeof(float)); \
+        }                                                                                    \
+      }                                                                                      \
+    }                                                                                        \
+    _Pragma("omp barrier")                                                                   \
+    _Pragma("omp for schedule(static)")                                                      \
+    for (int64_t r = 0; r < S * H; r++) {                                                    \
+      const float inv_sum = rows[r * rf + rf - 1];                                           \
+      QT* o = (QT*)a->out + r * D;                                                           \
+      for (int64_t d = 0; d < D; d++) {                                                      \
+        float sum = 0.0f;                                                                    \
+        for (int64_t u = 0; u < nt; u++) sum += partial_sum(a, u, r)[d];                     \
+        o[d] = STORE(sum * inv_sum);                                                         \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+}
+/* Instances: literal head_dim only (any group size; the 16-bit kernels' G literals would
+   double the compile time), portable ones generic. */
+#define DISPATCH_Q8(NAME, KERNEL)                                                            \
+static void NAME(const decode_args* a) {                                                     \
+  const int64_t G = a->num_heads / a->num_kv_heads;                                          \
+  if (a->head_dim == 64) PARALLEL(KERNEL, 64, G)                                             \
+  if (a->head_dim == 128) PARALLEL(KERNEL, 128, G)                                           \
+  PARALLEL(KERNEL, a->head_dim, G)                                                           \
+}
+#define Q8_INSTANCE(NAME, QT, TT, DEQUANT, OPS)                                              \
+  DEFINE_Q8_KERNEL(kernel_##NAME, QT, store_##QT, TT, DEQUANT, score_tile_##OPS,             \
+                   value_tile_##OPS)                                                         \
+  DISPATCH_Q8(run_##NAME, kernel_##NAME)
+typedef bf16_t bf16;
+typedef float f32;
+DEFINE_F32_TILE_OPS(f32_portable, float, load_f32, score_f32_portable, value_f32_portable)
+DEFINE_F32_TILE_OPS(bf16_portable, bf16_t, load_bf16, score_f32_portable, value_f32_portable)
+Q8_INSTANCE(q8_f32_int8, f32, float, dequant_int8_portable, f32_portable)
+Q8_INSTANCE(q8_f32_lut, f32, float, dequant_lut_portable, f32_portable)
+Q8_INSTANCE(q8_bf16_int8, bf16, float, dequant_int8_portable, bf16_portable)
+Q8_INSTANCE(q8_bf16_lut, bf16, float, dequant_lut_portable, bf16_portable)
+#ifdef USE_Q8_AVX512
+DEFINE_F32_TILE_OPS(f32_avx512, float, load_f32, score_f32_avx512, value_f32_avx512)
+DEFINE_F32_TILE_OPS(bf16_avx512, bf16_t, load_bf16, score_f32_avx512, value_f32_avx512)
+Q8_INSTANCE(q8_f32_int8_avx512, f32, float, dequant_int8_avx512, f32_avx512)
+Q8_INSTANCE(q8_f32_e4m3_avx512, f32, float, dequant_e4m3_avx512, f32_avx512)
+Q8_INSTANCE(q8_f32_e5m2_avx512, f32, float, dequant_e5m2_avx512, f32_avx512)
+Q8_INSTANCE(q8_bf16_int8_avx512, bf16, float, dequant_int8_avx512, bf16_avx512)
+Q8_INSTANCE(q8_bf16_e4m3_avx512, bf16, float, dequant_e4m3_avx512, bf16_avx512)
+Q8_INSTANCE(q8_bf16_e5m2_avx512, bf16, float, dequant_e5m2_avx512, bf16_avx512)
+#endif
+#ifdef USE_AVX512_BF16
+Q8_INSTANCE(q8_bf16_int8_bf16dp, bf16, bf16_t, dequant_int8_bf16, bf16)
+Q8_INSTANCE(q8_bf16_e4m3_bf16dp, bf16, bf16_t, dequant_e4m3_bf16, bf16)
+Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
+#define BF16DP(QT, FMT, a)                                                                   \
+  if (QT##_is_bf16 && a->num_heads / a->num_kv_heads <= BF16_TILE_GROUP) {                   \
+    run_q8_bf16_##FMT##_bf16dp(a); return;                                                   \
+  }
+#else
+#define BF16DP(QT, FMT, a)
+#endif
+enum { f32_is_bf16 = 0, bf16_is_bf16 = 1 };
+#ifdef USE_Q8_AVX512
+#define Q8_ENTRY(QT, FMT, PORTABLE)                                                          \
+  void paged_decode_attention_q8_##QT##_##FMT(const decode_args* a) {                        \
+    if (vector_shape(a)) {                                                                   \
+      BF16DP(QT, FMT, a)                                                                     \
+      run_q8_##QT##_##FMT##_avx512(a); return;                                               \
+    }                                                                                        \
+    run_##PORTABLE(a);                                                                       \
+  }
+#else
+#define Q8_ENTRY(QT, FMT, PORTABLE)                                                          \
+  void paged_decode_attention_q8_##QT##_##FMT(const decode_args* a) { run_##PORTABLE(a); }
+#endif
+/* Entry points: query dtype (f32, bf16) x format (int8, e4m3, e5m2); head_dim <= 256. */
+Q8_ENTRY(f32, int8, q8_f32_int8)
+Q8_ENTRY(f32, e4m3, q8_f32_lut)
+Q8_ENTRY(f32, e5m2, q8_f32_lut)
+Q8_ENTRY(bf16, int8, q8_bf16_int8)
+Q8_ENTRY(bf16, e4m3, q8_bf16_lut)
+Q8_ENTRY(bf16, e5m2, q8_bf16_lut)
+
+/* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16,
+   bit 2 8-bit caches AVX-512. */
 int paged_decode_features(void) {
   int f = 0;
 #ifdef USE_AVX512
@@ -492,6 +753,9 @@ int paged_decode_features(void) {
 #endif
 #ifdef USE_AVX512_BF16
   f |= 2;
+#endif
+#ifdef USE_Q8_AVX512
+  f |= 4;
 #endif
   return f;
 }

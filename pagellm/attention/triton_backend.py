@@ -35,6 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.attention.kv_quant import QuantizedKVCache
+from pagellm.attention.kv_quant import scales as kv_scales
+from pagellm.attention.kv_quant import values as kv_values
+from pagellm.attention.kv_quant import write_to_kv_cache as write_quantized
 from pagellm.attention.metadata import AttentionMetadata
 
 
@@ -105,13 +109,19 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
 def _attend_tile(query, acc, m_i, l_i, query_pos, key_start, seq_len, scale_log2, window,
                  block_table_ptr, k_cache_ptr, v_cache_ptr, kv_head,
                  stride_cache_b, stride_cache_s, stride_cache_h, block_size, head_dim,
+                 k_scale_ptr, v_scale_ptr, lut_ptr, stride_scale_b, stride_scale_s,
+                 stride_scale_h,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 QUANT: tl.constexpr):
     """Fold keys [key_start, key_start + BLOCK_N) into the running softmax of M query rows.
 
     query [M, BLOCK_D], acc [M, BLOCK_D] float32, m_i / l_i [M] float32 running max and sum
     (in log2 units: scores are scaled by scale * log2(e), so exp2 gives the softmax),
-    query_pos [M] absolute positions of the rows.
+    query_pos [M] absolute positions of the rows. With QUANT (an 8-bit cache, kv_quant.py:
+    1 = int8, 2 = a byte -> float32 table at lut_ptr, for fp8) the tile's bytes are decoded
+    here, and each key's and value's row scale (k_scale_ptr / v_scale_ptr, bfloat16) folds
+    into its score and its softmax weight: the query is float32 then, and so are the dots.
     """
     keys = key_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions in the sequence
     dims = tl.arange(0, BLOCK_D)
@@ -120,8 +130,17 @@ def _attend_tile(query, acc, m_i, l_i, query_pos, key_start, seq_len, scale_log2
     kv_offset = (blocks * stride_cache_b + (keys % block_size) * stride_cache_s
                  + kv_head * stride_cache_h)  # [BLOCK_N]
     kv_mask = in_seq[:, None] & (dims[None, :] < head_dim)  # [BLOCK_N, BLOCK_D]
-    key = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    scores = _dot(query, tl.trans(key), DOT_PRECISION, UPCAST_DOT)  # [M, BLOCK_N] float32
+    if QUANT:
+        scale_offset = (blocks * stride_scale_b + (keys % block_size) * stride_scale_s
+                        + kv_head * stride_scale_h)  # [BLOCK_N]
+        key = _decode_bytes(tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :],
+                                    mask=kv_mask, other=0), lut_ptr, QUANT)
+        k_scale = tl.load(k_scale_ptr + scale_offset, mask=in_seq, other=0.0).to(tl.float32)
+        scores = _dot(query, tl.trans(key), DOT_PRECISION, UPCAST_DOT) * k_scale[None, :]
+    else:
+        key = tl.load(k_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask,
+                      other=0.0)
+        scores = _dot(query, tl.trans(key), DOT_PRECISION, UPCAST_DOT)  # [M, BLOCK_N] float32
     scores *= scale_log2  # after the dot, in float32: no rounding of a scaled bf16 query
 
     # Causal over absolute positions; as every row's position is < seq_len, this also masks
@@ -138,20 +157,40 @@ def _attend_tile(query, acc, m_i, l_i, query_pos, key_start, seq_len, scale_log2
     p = tl.exp2(scores - m_safe[:, None])  # [M, BLOCK_N]
     alpha = tl.exp2(m_i - m_safe)  # [M] rescales what was accumulated under the old max
     l_i = l_i * alpha + tl.sum(p, 1)
-    value = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + _dot(p.to(value.dtype), value, DOT_PRECISION, UPCAST_DOT)
+    if QUANT:
+        value = _decode_bytes(tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :],
+                                      mask=kv_mask, other=0), lut_ptr, QUANT)
+        v_scale = tl.load(v_scale_ptr + scale_offset, mask=in_seq, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + _dot(p * v_scale[None, :], value, DOT_PRECISION,
+                                          UPCAST_DOT)
+    else:
+        value = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask,
+                        other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(value.dtype), value, DOT_PRECISION, UPCAST_DOT)
     return acc, m_new, l_i
 
 
 @triton.jit
-def _prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+def _decode_bytes(raw, lut_ptr, QUANT: tl.constexpr):
+    """8-bit cache values -> float32: int8 converts (QUANT 1), other formats read the
+    byte's value from the 256-entry table (QUANT 2)."""
+    if QUANT == 1:
+        return raw.to(tl.float32)
+    return tl.load(lut_ptr + (raw.to(tl.int32) & 255))
+
+
+@triton.jit
+def _prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
+                    k_scale_ptr, v_scale_ptr, lut_ptr, stride_scale_b, stride_scale_s,
+                    stride_scale_h, block_tables_ptr,
                     seq_lens_ptr, query_start_loc_ptr, scale_log2, window,
                     stride_query_t, stride_query_h, stride_out_t, stride_out_h,
                     stride_cache_b, stride_cache_s, stride_cache_h, stride_table,
                     block_size, head_dim,
                     QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                    QUANT: tl.constexpr):
     seq = tl.program_id(0)
     query_block = tl.program_id(1)
     head = tl.program_id(2)
@@ -172,6 +211,8 @@ def _prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_p
     io_mask = row_mask[:, None] & (dims[None, :] < head_dim)
     query = tl.load(query_ptr + tokens[:, None] * stride_query_t + head * stride_query_h
                     + dims[None, :], mask=io_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+    if QUANT:
+        query = query.to(tl.float32)
 
     # Keys this block can see: up to its last query's position (causal), and from the first
     # query's window start; tiles start on multiples of BLOCK_N.
@@ -189,22 +230,27 @@ def _prefill_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_p
         acc, m_i, l_i = _attend_tile(query, acc, m_i, l_i, query_pos, key_start, seq_len,
                                      scale_log2, window, block_table_ptr, k_cache_ptr,
                                      v_cache_ptr, kv_head, stride_cache_b, stride_cache_s,
-                                     stride_cache_h, block_size, head_dim, BLOCK_N, BLOCK_D,
-                                     USE_WINDOW, DOT_PRECISION, UPCAST_DOT)
+                                     stride_cache_h, block_size, head_dim, k_scale_ptr,
+                                     v_scale_ptr, lut_ptr, stride_scale_b, stride_scale_s,
+                                     stride_scale_h, BLOCK_N, BLOCK_D, USE_WINDOW,
+                                     DOT_PRECISION, UPCAST_DOT, QUANT)
     out = acc / l_i[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_out_t + head * stride_out_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
-def _decode_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+def _decode_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
+                   k_scale_ptr, v_scale_ptr, lut_ptr, stride_scale_b, stride_scale_s,
+                   stride_scale_h, block_tables_ptr,
                    seq_lens_ptr, query_start_loc_ptr, first_seq, scale_log2, window,
                    stride_query_t, stride_query_h, stride_out_t, stride_out_h,
                    stride_cache_b, stride_cache_s, stride_cache_h, stride_table,
                    block_size, head_dim,
                    QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, USE_WINDOW: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                   QUANT: tl.constexpr):
     seq = first_seq + tl.program_id(0)
     kv_head = tl.program_id(1)
     token = tl.load(query_start_loc_ptr + seq)  # a decode has one query token
@@ -216,6 +262,8 @@ def _decode_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_pt
     io_mask = (group < QUERIES_PER_KV)[:, None] & (dims[None, :] < head_dim)
     query = tl.load(query_ptr + token * stride_query_t + heads[:, None] * stride_query_h
                     + dims[None, :], mask=io_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
+    if QUANT:
+        query = query.to(tl.float32)
     query_pos = tl.zeros([BLOCK_G], dtype=tl.int64) + (seq_len - 1)
 
     key_begin = 0
@@ -229,8 +277,10 @@ def _decode_kernel(out_ptr, query_ptr, k_cache_ptr, v_cache_ptr, block_tables_pt
         acc, m_i, l_i = _attend_tile(query, acc, m_i, l_i, query_pos, key_start, seq_len,
                                      scale_log2, window, block_table_ptr, k_cache_ptr,
                                      v_cache_ptr, kv_head, stride_cache_b, stride_cache_s,
-                                     stride_cache_h, block_size, head_dim, BLOCK_N, BLOCK_D,
-                                     USE_WINDOW, DOT_PRECISION, UPCAST_DOT)
+                                     stride_cache_h, block_size, head_dim, k_scale_ptr,
+                                     v_scale_ptr, lut_ptr, stride_scale_b, stride_scale_s,
+                                     stride_scale_h, BLOCK_N, BLOCK_D, USE_WINDOW,
+                                     DOT_PRECISION, UPCAST_DOT, QUANT)
     # Padding rows (group >= QUERIES_PER_KV) have a zero query, so l_i > 0 for them too.
     out = acc / l_i[:, None]
     tl.store(out_ptr + token * stride_out_t + heads[:, None] * stride_out_h + dims[None, :],
@@ -254,28 +304,32 @@ def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 
 def prefill_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                      sliding_window: int | None, config: LaunchConfig) -> None:
+                      sliding_window: int | None, config: LaunchConfig,
+                      quant: QuantArgs | None = None) -> None:
     """Write into out[:num_prefill_tokens] the attention of the prefill group's queries."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     num_query_blocks = triton.cdiv(metadata.prefill.max_query_len, config.prefill_block_m)
     grid = (metadata.num_prefills, num_query_blocks, num_heads)
+    quant = quant or QuantArgs.none(k_cache)
     _prefill_kernel[grid](
-        out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+        out, query, k_cache, v_cache, *quant.pointers(), metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, scale * math.log2(math.e), sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), metadata.block_tables.stride(0),
         k_cache.shape[1], head_dim,
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_M=config.prefill_block_m,
         BLOCK_N=config.prefill_block_n, BLOCK_D=_block_d(head_dim),
-        USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query.dtype),
-        UPCAST_DOT=INTERPRETED and query.dtype == torch.bfloat16,
-        num_warps=config.prefill_warps)
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION=_dot_precision(torch.float32 if quant.mode else query.dtype),
+        UPCAST_DOT=INTERPRETED and query.dtype == torch.bfloat16 and not quant.mode,
+        QUANT=quant.mode, num_warps=config.prefill_warps)
 
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                     sliding_window: int | None, config: LaunchConfig) -> None:
+                     sliding_window: int | None, config: LaunchConfig,
+                     quant: QuantArgs | None = None) -> None:
     """Write into out[num_prefill_tokens:] the attention of the decode group's queries.
 
     CUDA graphs capture this launch (worker/cuda_graphs.py), so it must stay replayable with
@@ -286,8 +340,9 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tens
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
+    quant = quant or QuantArgs.none(k_cache)
     _decode_kernel[(metadata.num_decode_tokens, num_kv_heads)](
-        out, query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens,
+        out, query, k_cache, v_cache, *quant.pointers(), metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, metadata.num_prefills, scale * math.log2(math.e),
         sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -295,9 +350,10 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, k_cache: torch.Tens
         k_cache.shape[1], head_dim,
         QUERIES_PER_KV=queries_per_kv, BLOCK_G=max(16, triton.next_power_of_2(queries_per_kv)),
         BLOCK_N=config.decode_block_n, BLOCK_D=_block_d(head_dim),
-        USE_WINDOW=sliding_window is not None, DOT_PRECISION=_dot_precision(query.dtype),
-        UPCAST_DOT=INTERPRETED and query.dtype == torch.bfloat16,
-        num_warps=config.decode_warps)
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION=_dot_precision(torch.float32 if quant.mode else query.dtype),
+        UPCAST_DOT=INTERPRETED and query.dtype == torch.bfloat16 and not quant.mode,
+        QUANT=quant.mode, num_warps=config.decode_warps)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -318,6 +374,52 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if metadata.num_decode_tokens:
         decode_attention(out, query, k_cache, v_cache, metadata, scale, sliding_window, config)
     return out
+
+
+def paged_attention_quantized(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              cache: QuantizedKVCache, metadata: AttentionMetadata,
+                              scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """paged_attention over an 8-bit cache (kv_quant.py): the step's K/V are quantized and
+    stored (kv_quant.write_to_kv_cache), then the kernels read the bytes and decode them per
+    tile, in float32."""
+    write_quantized(key, value, cache, metadata.slot_mapping, metadata.write_index)
+    storage = torch.int8 if cache.format.storage == torch.int8 else torch.uint8
+    k_values = kv_values(cache.key, cache.format).view(storage)
+    v_values = kv_values(cache.value, cache.format).view(storage)
+    _check_inputs(query, k_values, v_values)
+    quant = QuantArgs(kv_scales(cache.key), kv_scales(cache.value),
+                      cache.format.lut(query.device), 1 if storage == torch.int8 else 2)
+    query = _unit_last_stride(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    config = launch_config(torch.float32, query.shape[2])
+    if metadata.num_prefills:
+        prefill_attention(out, query, k_values, v_values, metadata, scale, sliding_window,
+                          config, quant)
+    if metadata.num_decode_tokens:
+        decode_attention(out, query, k_values, v_values, metadata, scale, sliding_window,
+                         config, quant)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class QuantArgs:
+    """The kernels' 8-bit cache inputs: row scales [num_blocks, block_size, num_kv_heads]
+    (strided bfloat16 views), the byte table, and QUANT (0: not quantized, 1: int8, 2: table)."""
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    lut: torch.Tensor
+    mode: int
+
+    @staticmethod
+    def none(cache: torch.Tensor) -> QuantArgs:
+        return QuantArgs(cache, cache, cache, 0)
+
+    def pointers(self) -> tuple:
+        if not self.mode:
+            return self.k_scale, self.v_scale, self.lut, 0, 0, 0
+        return (self.k_scale, self.v_scale, self.lut, self.k_scale.stride(0),
+                self.k_scale.stride(1), self.k_scale.stride(2))
 
 
 def _check_inputs(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -340,6 +340,8 @@ class LLMEngine:
         stats = self.stats.snapshot(self.scheduler, self.kv)
         if self.worker.lora_manager is not None:
             stats.lora = self.worker.lora_manager.get_stats()
+        stats.kv_cache_dtype = self.args.kv_cache_dtype
+        stats.kv_bytes_per_block = self.cache_engine.block_bytes
         return stats
 
     def get_kv_view(self, history: Iterable[dict[str, float]] = ()) -> dict[str, Any]:

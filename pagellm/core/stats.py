@@ -43,6 +43,8 @@ class EngineStats:
     external_fragmentation: float
     seq_block_counts: dict = field(default_factory=dict)
     lora: dict = field(default_factory=dict)  # adapter caches (LoRAManager.get_stats)
+    kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype
+    kv_bytes_per_block: int = 0  # K and V of one block over all layers (scales included)
 
     @property
     def num_swaps(self) -> int:

@@ -1,7 +1,9 @@
 """KV memory model and capacity planning: how many bytes one token of KV cache costs, and how
 many blocks, tokens and concurrent sequences a memory budget holds.
 
-Bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype_bytes. The number of
+Bytes per token = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype_bytes, plus, for the
+8-bit caches (``int8``, ``fp8``), one 2-byte scale per (token, layer, K/V, KV head) stored beside
+each row (attention/kv_quant.py: 2 x layers x KV heads x (head_dim + 2) bytes). The number of
 KV heads is ``num_key_value_heads`` from the HuggingFace config (grouped-query attention shares one
 KV head between several query heads), not the number of query heads: counting the query heads, as
 for multi-head attention, overstates Llama-2-70B's KV cache eightfold.
@@ -23,13 +25,16 @@ DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "float": 4, "fp32": 4,
     "float16": 2, "half": 2, "fp16": 2,
     "bfloat16": 2, "bf16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
 }
+# Bytes of the scale stored with each (token, KV head) row of an 8-bit cache (a bfloat16).
+KV_ROW_SCALE_BYTES = 2
 
 # Canonical spelling of each alias, so that outputs name one dtype one way.
 _CANONICAL_DTYPE = {
     "float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
-    "bf16": "bfloat16", "fp8": "float8_e4m3fn",
+    "bf16": "bfloat16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
 }
 
 # The fields of the public HuggingFace config.json of each model that matter for the KV cache
@@ -222,17 +227,27 @@ class KVMemoryModel:
         return dtype_bytes(self.dtype)
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes of scale per (token, KV head) row: 8-bit caches store one, others none."""
+        return KV_ROW_SCALE_BYTES if self.dtype_bytes == 1 else 0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) in one KV head of one layer, scale included."""
+        return self.head_dim * self.dtype_bytes + self.scale_bytes
+
+    @property
     def is_grouped_query(self) -> bool:
         return self.num_kv_heads < self.num_attention_heads
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.row_bytes
 
     @property
     def bytes_per_token_if_mha(self) -> int:
         """What a token would cost if every query head had its own K and V."""
-        return 2 * self.num_layers * self.num_attention_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_attention_heads * self.row_bytes
 
     def bytes_per_block(self, block_size: int) -> int:
         return block_size * self.bytes_per_token

@@ -99,11 +99,34 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: bool = False
+# GGUF 4-bit blocks of 32 weights that are int4 groups as they are (quantized_linear.py):
+# Q4_0 = fp16 d, 16 bytes of nibbles (d * (q - 8)); Q4_1 = fp16 d, fp16 m, nibbles (d * q + m).
+INT4_BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20}
+
+
+def int4_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_0 / Q4_1 tensor's codes [out, in] (0..15), scales and zeros [out, in / 32]
+    float32, in int4pack's convention (q - 8) * scale + zero: the file's values exactly."""
+    block_bytes = INT4_BLOCK_TYPES[tensor.tensor_type.name]
+    rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1, block_bytes)
+    d = rows[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, blocks]
+    if block_bytes == 18:
+        zero = np.zeros_like(d)
+    else:
+        zero = rows[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
+    nibbles = rows[..., block_bytes - 16:]  # [out, blocks, 16]: element j low, j + 16 high
+    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # [out, blocks, 32]
+    return (torch.from_numpy(codes.reshape(rows.shape[0], -1).astype(np.uint8)),
+            torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: bool = False,
+                         int4: dict[str, tuple[torch.Tensor, ...]] | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """(transformers name, tensor in ``dtype``) for every tensor of the file, one at a time.
     ``lazy``: a GGUFTensorSlice instead, which dequantizes only the rows or columns a weight
-    loader reads (a tensor-parallel rank's shard)."""
+    loader reads (a tensor-parallel rank's shard). With ``int4``, the codes of Q4_0 / Q4_1
+    projections are also put there by name."""
     from pagellm.model.gguf_slices import GGUFTensorSlice
 
     permute = field_value(reader, "general.architecture") == "llama"
@@ -121,24 +144,63 @@ def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: 
         module = name.rsplit(".", 2)[-2]  # "q_proj" of "model.layers.0.self_attn.q_proj.weight"
         if permute and module in heads:
             value = unpermute_qk(value, heads[module])
+        if (int4 is not None and tensor.tensor_type.name in INT4_BLOCK_TYPES
+                and module.endswith("proj")):
+            parts = int4_codes(tensor)
+            if permute and module in heads:  # rows move; groups run along the input
+                parts = tuple(unpermute_qk(p, heads[module]) for p in parts)
+            int4[name] = parts
         yield name, value
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu",
-                    pack_weights: bool = True, tp: Any = None) -> tuple[CausalLM, Any]:
+                    pack_weights: bool = True, tp: Any = None, quantization: str | None = None,
+                    quantization_group_size: int = 128) -> tuple[CausalLM, Any]:
     """Build the model of a GGUF file and load its dequantized weights: (model, hf_config).
     Under tensor parallelism (``tp``) each rank dequantizes only its rows or columns of each
     tensor (model/gguf_slices.py)."""
-    from pagellm.model.loader import build_model, load_weights
+    from pagellm.model.loader import build_model, finish_weights, load_weights
 
     hf_config = load_gguf_config(path)
     model = build_model(hf_config, dtype, device, tp)
     lazy = tp is not None and tp.world_size > 1
-    load_weights(model, iterate_gguf_weights(open_reader(path), hf_config, dtype, lazy))
-    if pack_weights and torch.device(device).type == "cpu":
-        model.pack_weights()
+    int4: dict[str, tuple[torch.Tensor, ...]] | None = None
+    if quantization == "int4" and quantization_group_size == 32 and not lazy:
+        int4 = {}
+    load_weights(model, iterate_gguf_weights(open_reader(path), hf_config, dtype, lazy, int4))
+    if int4:
+        _map_int4_blocks(model, int4, dtype)
+    finish_weights(model, device, pack_weights, quantization, quantization_group_size)
     return model.eval(), hf_config
+
+
+def _map_int4_blocks(model: CausalLM, int4: dict[str, tuple[torch.Tensor, ...]],
+                     dtype: torch.dtype) -> None:
+    """Give every projection whose shards all came as Q4_0 / Q4_1 blocks an Int4Weight made
+    of the file's codes (the fused ones: shards stacked along the output, as loaded); the
+    others are quantized from their loaded weight afterwards."""
+    from pagellm.model.layers.linear import Linear
+    from pagellm.model.layers.quantized_linear import Int4Weight
+
+    inverse = {fused: [] for fused, _ in model.packed_modules_mapping.values()}
+    for checkpoint, (fused, shard) in model.packed_modules_mapping.items():
+        inverse[fused].append((shard, checkpoint))
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        shards = getattr(module, "shard_ids", None)
+        if shards is None:
+            names = [f"{name}.weight"]
+        else:
+            by_shard = dict(inverse.get(leaf, []))
+            names = [f"{prefix}.{by_shard.get(s, '?')}.weight" for s in shards]
+        if not all(n in int4 for n in names):
+            continue
+        codes, scale, zero = (torch.cat(p) for p in zip(*(int4[n] for n in names)))
+        module.quantized = Int4Weight.from_codes(codes, scale, zero, 32, dtype)
+        module.weight.data = torch.empty(0, dtype=module.weight.dtype)
 
 
 def get_gguf_tokenizer(path: str | Path, **kwargs: Any) -> Any:

@@ -22,6 +22,8 @@ from pagellm.distributed.parallel_state import (TensorParallelGroup, building,
 from pagellm.model.decoder import CausalLM
 from pagellm.model.gguf_config import is_gguf_file, load_gguf_config
 from pagellm.model.layers import default_weight_loader
+from pagellm.model.layers.quantized_linear import (check_supported, quantize_linear,
+                                                    quantize_linear_weights)
 from pagellm.model.registry import get_model_class
 
 # What a hub download fetches: weights as safetensors, configs, tokenizer files.
@@ -115,18 +117,25 @@ def load_config(path: str | Path) -> Any:
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu",
                allow_pickle: bool = False, pack_weights: bool = True,
-               tp: TensorParallelGroup | None = None) -> tuple[CausalLM, Any]:
+               tp: TensorParallelGroup | None = None, quantization: str | None = None,
+               quantization_group_size: int = 128) -> tuple[CausalLM, Any]:
     """Build the model of the folder's config.json (or of a GGUF file) and load its weights:
     (model, hf_config). With a tensor-parallel group ``tp``: this rank's shard, reading only
     its rows and columns of each safetensors tensor.
 
     On the CPU the projections are then packed for oneDNN (CausalLM.pack_weights) unless
-    ``pack_weights`` is False."""
+    ``pack_weights`` is False; with ``quantization`` ("int8", "int4") they are quantized
+    instead (model/layers/quantized_linear.py; one rank only)."""
     tp = tp or single_device_group()
+    check_supported(quantization, torch.device(device), dtype)
+    if quantization is not None and tp.world_size > 1:
+        raise ValueError(f"quantization={quantization!r} is not supported with "
+                         f"{tp.world_size} tensor-parallel ranks")
     if is_gguf_file(path):
         from pagellm.model.gguf_loader import load_gguf_model
 
-        return load_gguf_model(path, dtype, device, pack_weights, tp)
+        return load_gguf_model(path, dtype, device, pack_weights, tp, quantization,
+                               quantization_group_size)
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"model folder {str(path)!r} has no config.json")
@@ -134,9 +143,22 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     files = weight_files(path, allow_pickle)
     model = build_model(hf_config, dtype, device, tp)
     load_weights(model, iterate_weights(files, lazy=tp.world_size > 1))
-    if pack_weights and torch.device(device).type == "cpu":
-        model.pack_weights()
+    finish_weights(model, device, pack_weights, quantization, quantization_group_size)
     return model.eval(), hf_config
+
+
+def finish_weights(model: CausalLM, device: torch.device | str, pack_weights: bool,
+                   quantization: str | None, group_size: int) -> None:
+    """After loading: quantize the projections, or pack them for oneDNN on the CPU."""
+    if quantization is not None:
+        shared = {id(model.lm_head.weight)} if model.tie_word_embeddings else set()
+        if model.lm_head.quantized is None:  # the logits' matrix stays at 8 bits, as in llama.cpp
+            model.lm_head.quantized = quantize_linear(model.lm_head, "int8", group_size)
+            if not shared:
+                model.lm_head.weight.data = torch.empty(0, dtype=model.lm_head.weight.dtype)
+        quantize_linear_weights(model, quantization, group_size, shared)
+    elif pack_weights and torch.device(device).type == "cpu":
+        model.pack_weights()
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,

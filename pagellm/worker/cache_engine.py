@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pagellm.attention import KVCache
+from pagellm.attention.kv_quant import SCALE_BYTES, KVFormat, QuantizedKVCache
 from pagellm.kv.memory import KVMemoryModel
 from pagellm.model.decoder import head_dim_of
 from pagellm.model.layers.linear import heads_per_rank
@@ -41,22 +42,31 @@ class CacheEngine:
     block copy or swap is one indexed copy for all layers); the CPU swap cache has the same
     layout with ``num_cpu_blocks`` blocks. The device cache is zero-filled at start so that masked
     reads of never-written slots are finite (softmax weight 0 times NaN would still be NaN).
+
+    With an 8-bit ``kv_format`` (attention/kv_quant.py) the caches are uint8 rows of
+    ``head_dim + 2`` bytes (the values, then the row's scale), so block copies and swaps move
+    the scales with the values; each layer's entry of ``kv_caches`` is a QuantizedKVCache.
     """
 
     def __init__(self, hf_config: Any, num_blocks: int, num_cpu_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str, tp_size: int = 1) -> None:
+                 dtype: torch.dtype, device: torch.device | str,
+                 kv_format: KVFormat | None = None, tp_size: int = 1) -> None:
         """``tp_size``: under tensor parallelism the cache holds this rank's KV heads only."""
         if block_size <= 0 or num_blocks < 0 or num_cpu_blocks < 0:
             raise ValueError(f"bad cache shape: num_blocks={num_blocks}, "
                              f"num_cpu_blocks={num_cpu_blocks}, block_size={block_size}")
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.kv_format = kv_format
+        self.dtype = dtype = torch.uint8 if kv_format is not None else dtype
         self.num_blocks, self.num_cpu_blocks, self.block_size = num_blocks, num_cpu_blocks, block_size
         self.num_layers = hf_config.num_hidden_layers
         self.num_kv_heads = heads_per_rank(hf_config.num_attention_heads,
                                            hf_config.num_key_value_heads, tp_size)[1]
         self.head_dim = head_dim_of(hf_config)
-        block_shape = (block_size, self.num_kv_heads, self.head_dim)
+        self.block_bytes = self.bytes_per_block(hf_config, block_size, dtype, kv_format,
+                                                tp_size)
+        row = self.head_dim + (SCALE_BYTES if kv_format is not None else 0)
+        block_shape = (block_size, self.num_kv_heads, row)
         self.device_cache = _allocate_zeroed((self.num_layers, 2, num_blocks, *block_shape),
                                              dtype, self.device)
         # The swap space is only ever read where a swap-out wrote first, so it need not be
@@ -64,20 +74,22 @@ class CacheEngine:
         self.cpu_cache = torch.empty((self.num_layers, 2, num_cpu_blocks, *block_shape),
                                      dtype=dtype, device="cpu",
                                      pin_memory=self.device.type == "cuda")
-        self.kv_caches: list[KVCache] = [(self.device_cache[i, 0], self.device_cache[i, 1])
-                                         for i in range(self.num_layers)]
+        self.kv_caches: list[KVCache] = [
+            (self.device_cache[i, 0], self.device_cache[i, 1]) if kv_format is None
+            else QuantizedKVCache(self.device_cache[i, 0], self.device_cache[i, 1], kv_format)
+            for i in range(self.num_layers)]
         self.swap_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
                             else None)
         self.in_flight = InFlightCopies()
 
     @staticmethod
     def bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype,
-                        tp_size: int = 1) -> int:
+                        kv_format: KVFormat | None = None, tp_size: int = 1) -> int:
         """K and V of ``block_size`` tokens over all layers, by the KV memory model
-        (pagellm.kv.memory: 2 x layers x num_kv_heads x head_dim x dtype bytes per token), the
-        one formula kv-calc and the KV sizing share; one rank's KV heads under tensor
-        parallelism."""
-        return kv_memory_model(hf_config, dtype, tp_size).bytes_per_block(block_size)
+        (pagellm.kv.memory: 2 x layers x num_kv_heads x head_dim x dtype bytes per token, plus
+        the row scales of an 8-bit cache), the one formula kv-calc and the KV sizing share;
+        one rank's KV heads under tensor parallelism."""
+        return kv_memory_model(hf_config, dtype, kv_format, tp_size).bytes_per_block(block_size)
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy device block src -> dst for each (src, dst), all layers (copy-on-write)."""
@@ -188,9 +200,12 @@ class InFlightCopies:
             self._copies.pop(0)
 
 
-def kv_memory_model(hf_config: Any, dtype: torch.dtype, tp_size: int = 1) -> KVMemoryModel:
-    """The KV memory model of a loaded config, the cache stored in ``dtype`` (one rank's heads
-    under tensor parallelism)."""
+def kv_memory_model(hf_config: Any, dtype: torch.dtype, kv_format: KVFormat | None = None,
+                    tp_size: int = 1) -> KVMemoryModel:
+    """The KV memory model of a loaded config, the cache stored in ``dtype`` (or in the
+    8-bit ``kv_format``); one rank's heads under tensor parallelism."""
+    if kv_format is not None:
+        dtype = kv_format.storage
     num_heads, num_kv_heads = heads_per_rank(hf_config.num_attention_heads,
                                              hf_config.num_key_value_heads, tp_size)
     return KVMemoryModel(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pagellm.attention import kv_quant
 from pagellm.attention.layer import runs_triton
 from pagellm.config import CPU_KV_CACHE_RAM_SHARE, EngineArgs
 from pagellm.core.scheduler import Scheduler, SchedulerConfig
@@ -169,16 +170,19 @@ def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGr
     args = spec.args
     torch.manual_seed(args.seed)
     model, hf_config = load_model(spec.path, dtype=spec.dtype, device=device,
-                                  allow_pickle=args.allow_pickle_weights, tp=tp)
+                                  allow_pickle=args.allow_pickle_weights, tp=tp,
+                                  quantization=args.quantization,
+                                  quantization_group_size=args.quantization_group_size)
+    kv_format = kv_quant.kv_format(args.kv_cache_dtype)
     block_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, spec.dtype,
-                                              tp.world_size)
+                                              kv_format, tp.world_size)
     num_gpu_blocks = tp.all_reduce_min(_num_device_blocks(
         args, model, hf_config, spec.dtype, device, block_bytes, spec.max_num_batched_tokens,
         spec.max_model_len, tp.world_size))
     num_cpu_blocks = args.swap_space_bytes // block_bytes
     _check_fits(args, num_gpu_blocks, spec.max_model_len)
     cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size,
-                               spec.dtype, device, tp.world_size)
+                               spec.dtype, device, kv_format, tp.world_size)
     runner = ModelRunner(model, cache_engine, device)
     lora_manager = _make_lora_manager(args, model, runner, device)
     _capture_decode_graphs(args, runner, device, spec.max_model_len)
@@ -232,6 +236,10 @@ def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.
     if args.enable_lora:
         logger.info("CUDA graphs off: LoRA steps run eagerly")
         return
+    if args.kv_cache_dtype != "auto":
+        logger.info("CUDA graphs off: kv_cache_dtype=%s stores the step's K/V through torch "
+                    "ops sized by the step", args.kv_cache_dtype)
+        return
     if not runs_triton(device):
         logger.info("CUDA graphs off: attention does not run the Triton kernels "
                     "(triton missing or PAGELLM_ATTENTION_BACKEND=torch)")
@@ -282,8 +290,9 @@ def _profile_cuda_kv_bytes(args: EngineArgs, model, hf_config, dtype, device: to
     seq_len = min(max_model_len, num_tokens)
     num_seqs = -(-num_tokens // seq_len)
     blocks_per_seq = -(-seq_len // args.block_size)
+    kv_format = kv_quant.kv_format(args.kv_cache_dtype)
     scratch = CacheEngine(hf_config, num_seqs * blocks_per_seq, 0, args.block_size, dtype, device,
-                          tp_size)
+                          kv_format, tp_size)
     runner = ModelRunner(model, scratch, device)
     batch = [ScheduledSeq([0] * seq_len, 0, seq_len,
                           list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
@@ -292,7 +301,8 @@ def _profile_cuda_kv_bytes(args: EngineArgs, model, hf_config, dtype, device: to
     torch.cuda.reset_peak_memory_stats(device)
     runner.execute(batch)
     torch.cuda.synchronize(device)
-    scratch_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype, tp_size) * (
+    scratch_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, dtype, kv_format,
+                                                tp_size) * (
         num_seqs * blocks_per_seq)
     peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
     del runner, scratch

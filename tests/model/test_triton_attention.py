@@ -167,14 +167,19 @@ except Exception as error:
     raise SystemExit(f"SKIP: no ptxas ({error})")
 INDEX_POINTERS = {"slot_mapping_ptr", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
 
-def compile_kernel(fn, dtype, constexprs, num_warps):
+def compile_kernel(fn, dtype, constexprs, num_warps, cache_dtype=None):
+    # cache_dtype: the 8-bit caches' element type (QUANT 1: i8, 2: u8 bytes read by table)
+    pointers = {"k_scale_ptr": "*bf16", "v_scale_ptr": "*bf16", "lut_ptr": "*fp32"}
+    if cache_dtype:
+        pointers.update(k_cache_ptr="*" + cache_dtype, v_cache_ptr="*" + cache_dtype)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            signature[name] = "*i64" if name in INDEX_POINTERS else "*" + dtype
+            signature[name] = ("*i64" if name in INDEX_POINTERS
+                               else pointers.get(name, "*" + dtype))
         else:
             signature[name] = "fp32" if name == "scale_log2" else "i32"
         if name.endswith("_ptr") or name.startswith("stride") or name == "head_dim":
@@ -185,12 +190,19 @@ def compile_kernel(fn, dtype, constexprs, num_warps):
 for torch_dtype, dtype in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
     config = tb.launch_config(torch_dtype, 128)
     common = dict(QUERIES_PER_KV=3, BLOCK_D=128, USE_WINDOW=True,
-                  DOT_PRECISION=tb._dot_precision(torch_dtype), UPCAST_DOT=False)
+                  DOT_PRECISION=tb._dot_precision(torch_dtype), UPCAST_DOT=False, QUANT=0)
     compile_kernel(tb._write_kv_kernel, dtype, dict(BLOCK_H=4, BLOCK_D=128), 4)
     compile_kernel(tb._prefill_kernel, dtype, dict(common, BLOCK_M=config.prefill_block_m,
                    BLOCK_N=config.prefill_block_n), config.prefill_warps)
     compile_kernel(tb._decode_kernel, dtype, dict(common, BLOCK_G=16,
                    BLOCK_N=config.decode_block_n), config.decode_warps)
+    for quant, cache_dtype in ((1, "i8"), (2, "u8")):  # 8-bit caches: float32 tiles
+        config = tb.launch_config(torch.float32, 128)
+        quantized = dict(common, QUANT=quant, DOT_PRECISION="ieee")
+        compile_kernel(tb._prefill_kernel, dtype, dict(quantized, BLOCK_M=config.prefill_block_m,
+                       BLOCK_N=config.prefill_block_n), config.prefill_warps, cache_dtype)
+        compile_kernel(tb._decode_kernel, dtype, dict(quantized, BLOCK_G=16,
+                       BLOCK_N=config.decode_block_n), config.decode_warps, cache_dtype)
 print("compiled")
 """
 
@@ -239,3 +251,28 @@ def test_llm_generate_same_greedy_tokens_as_torch(sliding_model, monkeypatch):
     assert tokens == [expected, expected]
     assert stats.prefix_cache_hits > 0
     assert len(launches) > 2 * 20  # every layer of every step ran the Triton kernels
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype, sliding_window", [(torch.float32, None),
+                                                   (torch.bfloat16, 10)])
+def test_8bit_cache_matches_dequantized_reference(fmt_name, dtype, sliding_window,
+                                                  small_tiles):
+    """The kernels over an 8-bit cache (kv_quant.py): bytes decoded per tile, row scales
+    folded in, against the float64 reference over the dequantized cache."""
+    from pagellm.attention import kv_quant
+
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(MIXED_BATCH, 4, dtype)
+    fmt = kv_quant.FORMATS[fmt_name]
+    cache = kv_quant.QuantizedKVCache(kv_quant.quantize(k_cache, fmt),
+                                      kv_quant.quantize(v_cache, fmt), fmt)
+    scale = q.shape[-1] ** -0.5
+    out = triton_backend.paged_attention_quantized(q, k, v, cache, metadata, scale,
+                                                   sliding_window)
+    k_ref, v_ref = kv_quant.dequantized_cache(cache)
+    expected = reference_paged_attention(q.double(), k_ref, v_ref,
+                                         [n for _, n in MIXED_BATCH], seq_lens, tables, scale,
+                                         sliding_window)
+    assert out.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), expected, **tol)

@@ -50,6 +50,12 @@ HELP = {
     "max_loras": "LoRA adapters on the device at once: the most one step mixes",
     "max_lora_rank": "the highest LoRA rank an adapter may have",
     "max_cpu_loras": "LoRA adapters kept loaded in CPU memory (default: max_loras)",
+    "kv_cache_dtype": "KV cache storage: auto (the model dtype), int8, fp8 (= fp8_e4m3) or "
+                      "fp8_e5m2, with a scale per token and KV head (default: auto)",
+    "quantization": "weight-only quantization of the linear layers: int8 (per output "
+                    "channel) or int4 (groups of --quantization-group-size); CPU only "
+                    "(default: None)",
+    "quantization_group_size": "input columns per int4 scale: 32, 64, 128 or 256",
 }
 POSITIONAL = ("model",)
 # vLLM's short spellings

@@ -24,8 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--config", metavar="FILE", help="a HuggingFace config.json")
     source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in public config")
     parser.add_argument("--dtype", default="auto",
-                        help="KV cache dtype: float16, bfloat16, float32, fp8 ... "
-                             "(default: the config's torch_dtype)")
+                        help="KV cache dtype: float16, bfloat16, float32, int8, fp8 (= fp8_e4m3), "
+                             "fp8_e5m2 (8-bit caches add a 2-byte scale per token and KV "
+                             "head; default: the config's torch_dtype)")
     parser.add_argument("--batch", type=_positive_int, default=1, help="sequences (default 1)")
     parser.add_argument("--seq-len", type=_positive_int, default=2048,
                         help="tokens per sequence (default 2048)")
@@ -67,6 +68,7 @@ def compute_report(model: KVMemoryModel, batch: int, seq_len: int, block_size: i
                    memory_bytes: int | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "model": model.name, "dtype": model.dtype, "dtype_bytes": model.dtype_bytes,
+        "scale_bytes": model.scale_bytes,
         "num_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
         "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
         "grouped_query_attention": model.is_grouped_query,
@@ -97,6 +99,11 @@ def format_report(r: dict[str, Any]) -> str:
     formula = (
         f"  KV cache per token = 2 (K and V) x {r['num_layers']} layers x {r['num_kv_heads']} "
         f"KV heads x {r['head_dim']} head_dim x {r['dtype_bytes']} bytes\n"
+        if not r["scale_bytes"] else
+        f"  KV cache per token = 2 (K and V) x {r['num_layers']} layers x {r['num_kv_heads']} "
+        f"KV heads x ({r['head_dim']} head_dim x {r['dtype_bytes']} byte + "
+        f"{r['scale_bytes']}-byte scale)\n")
+    formula += (
         f"                     = {r['bytes_per_token']:,} bytes ({per_token_mib})\n"
         f"  {r['batch']:,} sequence{'s' if r['batch'] != 1 else ''} x {r['seq_len']:,} tokens"
         f" = {r['num_tokens']:,} tokens -> {r['total_bytes']:,} bytes "

@@ -68,6 +68,8 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, set by pack()
         self.pack_failure: str | None = None  # why pack() could not, when it tried
+        # int8/int4 weight-only (quantized_linear.py), set after loading; replaces the weight
+        self.quantized: nn.Module | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
@@ -75,6 +77,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.quantized is not None:
+            out = self.quantized(x)
+            return out if self.bias is None else out + self.bias
         if self.packed_weight is not None:
             return _packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -109,7 +114,8 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
-                + (", packed" if self.packed_weight is not None else ""))
+                + (", packed" if self.packed_weight is not None else "")
+                + (f", {type(self.quantized).__name__}" if self.quantized is not None else ""))
 
 
 def _reorder_weight(weight: torch.Tensor) -> torch.Tensor:

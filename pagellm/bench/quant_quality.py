@@ -1,0 +1,61 @@
+"""Quality of the 8-bit KV cache and the quantized weights against the unquantized engine.
+
+The baseline engine (the model dtype for the KV cache, weights as loaded) generates greedy
+continuations of a few prompts; each variant then scores the same prompt + continuation
+(teacher forcing, through prompt_logprobs): mean and max |logprob difference| of the chosen
+tokens, and greedy agreement (how often the variant's own top token is the baseline's).
+Reported by benchmarks/quantization.py; tests/model/test_gguf_quantization.py holds it to
+bounds loose enough for any CPU.
+"""
+from __future__ import annotations
+
+import statistics
+
+from pagellm import LLM, SamplingParams
+
+
+def quality(model: str, prompts: int, new_tokens: int, group_size: int,
+            dtype: str = "bfloat16", variants: dict[str, dict] | None = None) -> dict:
+    """Score each variant's logprobs of the baseline's greedy continuations (see module)."""
+    base = LLM(model, dtype=dtype, max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    tokenizer = base.get_tokenizer()
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "Write a short poem about the sea.", "Explain why the sky is blue.",
+             "List three uses of copper:", "Once upon a time, in a small village,"][:prompts]
+    prompt_ids = [tokenizer(t)["input_ids"] for t in texts]
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outs = base.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
+    full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompt_ids, outs)]
+    reference = score(base, full, [len(p) for p in prompt_ids])
+    del base
+    if variants is None:
+        variants = {f"kv_{d}": dict(kv_cache_dtype=d) for d in ("int8", "fp8", "fp8_e5m2")}
+        variants["weights_int8"] = dict(quantization="int8")
+        variants["weights_int4"] = dict(quantization="int4", quantization_group_size=group_size)
+    report = {}
+    for name, options in variants.items():
+        llm = LLM(model, dtype=dtype, max_model_len=512, kv_cache_memory_bytes=64 << 20,
+                  **options)
+        got = score(llm, full, [len(p) for p in prompt_ids])
+        diffs = [abs(a - b) for (a, _), (b, _) in zip(reference, got)]
+        agree = sum(top == tok for (_, tok), (_, top) in zip(reference, got))
+        report[name] = {"mean_abs_logprob_diff": round(statistics.mean(diffs), 4),
+                        "max_abs_logprob_diff": round(max(diffs), 4),
+                        "greedy_agreement": round(agree / len(got), 4), "tokens": len(got)}
+        del llm
+    return {"model": model, "prompts": len(texts), "new_tokens": new_tokens,
+            "baseline": f"{dtype}, kv auto, weights as loaded", "variants": report}
+
+
+def score(llm: LLM, sequences: list[list[int]], prompt_lens: list[int]
+          ) -> list[tuple[float, int]]:
+    """(logprob of the sequence's token, the top token) at every continuation position."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    result = []
+    for seq, start, out in zip(sequences, prompt_lens, outs):
+        for i in range(start, len(seq)):
+            entries = out.prompt_logprobs[i]
+            top = min(entries.items(), key=lambda kv: kv[1].rank)[0]
+            result.append((entries[seq[i]].logprob, top))
+    return result

@@ -1,0 +1,163 @@
+"""8-bit KV caches (attention/kv_quant.py): the quantizer, and every KV dtype through every
+attention path (the chunked torch path, the compiled CPU decode kernel in each build)
+against the float64 reference attention over the dequantized cache.
+
+The Triton kernels' 8-bit paths are tested in test_triton_attention.py (they need
+TRITON_INTERPRET=1 before import).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_steps import MIXED_BATCH, make_step
+from kernel_builds import KERNEL_BUILDS, kernel_build
+
+from pagellm.attention import cpu_kernel, kv_quant, quantized_backend
+from pagellm.attention.kv_quant import FORMATS, QuantizedKVCache
+from pagellm.attention.torch_backend import reference_paged_attention
+
+FORMAT_NAMES = list(FORMATS)
+
+
+def quantized_step(batch, block_size, dtype, fmt_name, **shape):
+    """make_step's step with its random caches quantized into an 8-bit cache."""
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(
+        batch, block_size, dtype, **shape)
+    fmt = FORMATS[fmt_name]
+    cache = QuantizedKVCache(kv_quant.quantize(k_cache, fmt), kv_quant.quantize(v_cache, fmt),
+                             fmt)
+    return q, k, v, cache, metadata, tables, seq_lens
+
+
+def reference(q, cache, batch, seq_lens, tables, scale, window):
+    k_ref, v_ref = kv_quant.dequantized_cache(cache)  # float64, after the step's store
+    return reference_paged_attention(q.double(), k_ref, v_ref, [n for _, n in batch],
+                                     seq_lens, tables, scale, window)
+
+
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+def test_quantize_round_trip_bounds(fmt_name):
+    """Each row's error is within half a step of its scale (int8) or the format's relative
+    precision (fp8); all-zero rows stay zero; the scale is bfloat16 and q * scale is exact."""
+    fmt = FORMATS[fmt_name]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3, 32, generator=gen) * torch.logspace(-3, 3, 64)[:, None, None]
+    x[5, 1] = 0.0
+    raw = kv_quant.quantize(x, fmt)
+    assert raw.shape == (64, 3, 34) and raw.dtype == torch.uint8
+    back = kv_quant.dequantize(raw, fmt)
+    scale = kv_quant.scales(raw).float()[..., None]
+    assert torch.equal(back[5, 1], torch.zeros(32))
+    amax = x.abs().amax(-1, keepdim=True)
+    if fmt_name == "int8":
+        assert ((back - x).abs() <= 0.5 * scale + 1e-6 * amax).all()
+    else:
+        mantissa_bits = {"fp8_e4m3": 3, "fp8_e5m2": 2}[fmt_name]
+        # relative rounding error 2^-(m+1) of normal values; subnormals: half a step
+        step = 2.0 ** -(mantissa_bits + 1)
+        bound = torch.maximum(x.abs() * step, scale * 2.0 ** -9)
+        assert ((back - x).abs() <= bound * 1.001 + 1e-6 * amax).all()
+    assert (back.abs().amax(-1, keepdim=True) <= amax * 1.01 + 1e-30).all()
+
+
+def test_fake_quantize_is_idempotent_on_values():
+    fmt = FORMATS["int8"]
+    x = torch.randn(10, 2, 16, generator=torch.Generator().manual_seed(2))
+    once = kv_quant.fake_quantize(x, fmt)
+    assert torch.allclose(kv_quant.fake_quantize(once, fmt), once, rtol=0, atol=1e-6)
+
+
+def test_unknown_kv_cache_dtype_names_the_supported():
+    with pytest.raises(ValueError, match="int8.*fp8_e5m2"):
+        kv_quant.kv_format("int4")
+    assert kv_quant.kv_format("auto") is None
+    assert kv_quant.kv_format("fp8") is FORMATS["fp8_e4m3"]
+
+
+@pytest.fixture(params=[*KERNEL_BUILDS, "torch"])
+def decode_path(request, monkeypatch):
+    """Decodes through a build of the compiled CPU kernel, or the chunked torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernel, "supports", lambda query: False)
+    else:
+        monkeypatch.setattr(cpu_kernel, "_KERNEL", kernel_build(request.param))
+    return request.param
+
+
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+@pytest.mark.parametrize("block_size, sliding_window, head_dim",
+                         [(4, None, 16), (16, 10, 32), (1, None, 16), (16, None, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_matches_dequantized_reference(fmt_name, block_size, sliding_window,
+                                                  head_dim, dtype, decode_path, monkeypatch):
+    """A step mixing prompts, chunks, prefix hits and decodes; small chunks so that contexts
+    span several of them (the online softmax merges). head_dim 32 and 64: the kernel's
+    AVX-512 loops where the build has them; 16: its portable loops."""
+    monkeypatch.setattr(quantized_backend, "CHUNK_BLOCKS", 2)
+    monkeypatch.setattr(quantized_backend.chunked_attention, "__defaults__",
+                        (None, 2))
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(MIXED_BATCH, block_size, dtype,
+                                                                fmt_name, head_dim=head_dim)
+    scale = q.shape[-1] ** -0.5
+    out = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, sliding_window)
+    expected = reference(q, cache, MIXED_BATCH, seq_lens, tables, scale, sliding_window)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), expected.double(), **tol)
+
+
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads",
+                         [(64, 12, 4), (128, 8, 8), (40, 16, 1), (64, 9, 3)])
+def test_decode_shapes(fmt_name, head_dim, num_heads, num_kv_heads, decode_path):
+    """Decode-only steps: specialised and generic head_dim / group sizes."""
+    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+        batch, 8, torch.float32, fmt_name, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, seed=head_dim)
+    scale = head_dim ** -0.5
+    out = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, None)
+    expected = reference(q, cache, batch, seq_lens, tables, scale, None)
+    torch.testing.assert_close(out.double(), expected.double(), atol=1e-5, rtol=1e-4)
+
+
+def test_step_store_writes_quantized_rows():
+    """The store quantizes exactly the step's rows into their slots, nothing else."""
+    batch = [(3, 5), (0, 1)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(batch, 4, torch.float32, "int8")
+    before = cache.key.clone()
+    quantized_backend.paged_attention(q, k, v, cache, metadata, 0.25)
+    slots = metadata.slot_mapping
+    flat = cache.key.flatten(0, 1)
+    assert torch.equal(flat[slots], kv_quant.quantize(k, cache.format))
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat[untouched], before.flatten(0, 1)[untouched])
+
+
+def test_cache_engine_moves_scales_with_their_blocks():
+    """copy_blocks (copy-on-write) and swap out / in move whole rows: values and scales."""
+    from types import SimpleNamespace
+
+    from pagellm.worker.cache_engine import CacheEngine
+
+    config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, num_attention_heads=4,
+                             hidden_size=64, head_dim=16, model_type="llama")
+    fmt = FORMATS["int8"]
+    engine = CacheEngine(config, 6, 4, 4, torch.float32, "cpu", fmt)
+    assert engine.device_cache.dtype == torch.uint8 and engine.device_cache.shape[-1] == 18
+    assert engine.block_bytes == 4 * 2 * 2 * 2 * 18
+    rows = torch.randn(2, 2, 4, 2, 16, generator=torch.Generator().manual_seed(4))
+    for layer, cache in enumerate(engine.kv_caches):
+        assert isinstance(cache, QuantizedKVCache) and cache.format is fmt
+        cache.key[1] = kv_quant.quantize(rows[layer, 0], fmt)
+        cache.value[1] = kv_quant.quantize(rows[layer, 1], fmt)
+    block = engine.device_cache[:, :, 1].clone()
+    engine.copy_blocks([(1, 4)])
+    engine.swap_out([(1, 3)])
+    engine.device_cache[:, :, 1] = 0
+    engine.swap_in([(3, 5)])
+    for target in (4, 5):
+        assert torch.equal(engine.device_cache[:, :, target], block)
+    k_ref, _ = kv_quant.dequantized_cache(engine.kv_caches[0])
+    torch.testing.assert_close(k_ref[5].float(), rows[0, 0], atol=0.05, rtol=0.02)

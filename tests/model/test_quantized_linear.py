@@ -1,0 +1,109 @@
+"""Weight-only int8 / int4 linear layers (model/layers/quantized_linear.py) against a float64
+matmul of their dequantized weights; quantize-on-load of a safetensors model; GGUF Q4_0 /
+Q4_1 blocks mapped into int4 with the file's values exactly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagellm.model.layers.quantized_linear import Int4Weight, Int8Weight, check_supported
+from pagellm.model.loader import load_model
+
+
+def weight_and_input(out_features, in_features, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.3).to(dtype)
+    x = torch.randn(5, in_features, generator=gen).to(dtype)
+    return weight, x
+
+
+def tolerance(dtype, expected):
+    scale = expected.abs().max().item()
+    return 1e-5 * scale if dtype == torch.float32 else 1e-2 * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind, group_size", [("int8", None), ("int4", 32), ("int4", 128)])
+def test_quantized_matmul_matches_dequantized_reference(kind, group_size, dtype):
+    weight, x = weight_and_input(96, 256, dtype)
+    layer = Int8Weight.quantize(weight) if kind == "int8" else Int4Weight.quantize(weight,
+                                                                                   group_size)
+    deq = layer.dequantized().double()
+    out = layer(x)
+    expected = x.double() @ deq.T
+    assert out.dtype == dtype and out.shape == (5, 96)
+    assert (out.double() - expected).abs().max().item() <= tolerance(dtype, expected)
+    # the quantization itself: within half a step of each weight
+    steps = (deq - weight.double()).abs()
+    if kind == "int8":
+        assert (steps <= layer.scale.double()[:, None] * 0.5 + 1e-6).all()
+    else:
+        scale = layer.scale_and_zero.double()[..., 0].T.repeat_interleave(group_size, 1)
+        assert (steps <= scale * 0.5 + 1e-2 * scale + 1e-6).all()
+    assert layer.nbytes < weight.nbytes
+
+
+def test_bad_group_size_and_device_name_the_supported():
+    weight, _ = weight_and_input(8, 96, torch.float32)
+    with pytest.raises(ValueError, match="group_size=64 .* in_features=96"):
+        Int4Weight.quantize(weight, 64)
+    with pytest.raises(ValueError, match="CPU only"):
+        check_supported("int4", torch.device("cuda"), torch.float32)
+    with pytest.raises(ValueError, match="'int2' is not supported; supported: int8, int4"):
+        check_supported("int2", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        check_supported("int8", torch.device("cpu"), torch.float16)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantize_on_load_of_a_safetensors_model(model_zoo, method):
+    """Every projection quantized, the model's logits those of the plain model whose
+    projections compute with the dequantized weights."""
+    llama_dir, _ = model_zoo("llama")
+    plain, _ = load_model(llama_dir, dtype=torch.float32, pack_weights=False)
+    quantized, config = load_model(llama_dir, dtype=torch.float32, quantization=method,
+                                   quantization_group_size=32)
+    from pagellm.model.layers.linear import Linear
+    layers = {n: m for n, m in quantized.named_modules() if isinstance(m, Linear)}
+    assert layers and all(m.quantized is not None for m in layers.values())
+    expected_kind = {"int8": Int8Weight, "int4": Int4Weight}[method]
+    assert isinstance(layers["model.layers.0.mlp.down_proj"].quantized, expected_kind)
+    assert isinstance(layers["lm_head"].quantized, Int8Weight)  # logits stay at 8 bits
+    plain_layers = dict(plain.named_modules())
+    for name, module in layers.items():
+        plain_layers[name].weight.data = module.quantized.dequantized().to(torch.float32)
+    hidden = torch.randn(4, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for name in ("model.layers.1.self_attn.qkv_proj", "lm_head"):
+        torch.testing.assert_close(layers[name](hidden), plain_layers[name](hidden),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_gguf_int4_blocks_map_exactly(type_name):
+    """Q4_0 / Q4_1 blocks read as int4 codes, scales and zeros give the gguf package's own
+    dequantization exactly."""
+    gguf = pytest.importorskip("gguf")
+    from pagellm.model.gguf_loader import int4_codes
+
+    rng = np.random.default_rng(0)
+    rows, cols = 16, 64
+    block_bytes = {"Q4_0": 18, "Q4_1": 20}[type_name]
+    blocks = rng.integers(0, 256, (rows * cols // 32, block_bytes), dtype=np.uint8)
+    blocks[:, 0:2] = (rng.random(len(blocks)) * 0.1).astype(np.float16).view(np.uint8
+                                                                            ).reshape(-1, 2)
+    if type_name == "Q4_1":
+        blocks[:, 2:4] = (rng.random(len(blocks)) - 0.5).astype(np.float16).view(
+            np.uint8).reshape(-1, 2)
+    data = blocks.reshape(rows, -1)
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    expected = gguf.quants.dequantize(data, qtype).reshape(rows, cols)
+
+    class Tensor:  # the two fields of a gguf reader tensor that int4_codes reads
+        tensor_type = qtype
+        shape = np.array([cols, rows])
+
+    Tensor.data = data
+    codes, scale, zero = int4_codes(Tensor)
+    layer = Int4Weight.from_codes(codes, scale, zero, 32, torch.float32)
+    np.testing.assert_array_equal(layer.dequantized().numpy(), expected)
