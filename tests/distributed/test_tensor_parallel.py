@@ -121,3 +121,13 @@ def test_structured_outputs_sample_on_the_driver(engines):
         assert one.outputs[0].token_ids == two.outputs[0].token_ids
         assert two.outputs[0].finish_reason == "stop"
         assert set(json.loads(two.outputs[0].text)) == {"n", "ok"}
+
+
+def test_an_int8_kv_cache_splits_by_kv_heads_too(engines):
+    """kv_cache_dtype='int8' under tensor parallelism: each rank stores its KV heads' 8-bit
+    rows and scales; the greedy tokens are one rank's with the same 8-bit cache."""
+    params = greedy(max_tokens=16)
+    expected = engines.get("llama", kv_cache_dtype="int8").generate(prompts(), params,
+                                                                    use_tqdm=False)
+    llm = engines.get("llama", tp=2, kv_cache_dtype="int8", **LLAMA)
+    assert_same_outputs(expected, llm.generate(prompts(), params, use_tqdm=False))
