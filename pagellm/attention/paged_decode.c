@@ -488,12 +488,14 @@ void paged_decode_attention_bf16(const decode_args* a) {
 /* ---- 8-bit caches (kv_quant.py) ------------------------------------------------------
    A cache row is head_dim one-byte values, then the row's bfloat16 scale: element d of the
    row is value(byte d) * scale. The same pair-sorted passes as above; for each (pair, KV
-   head) the kernel dequantizes up to TILE_KEYS of the block's rows into a float32 tile on
-   the stack (L1-resident), then runs the float32 inner loops over it for the G query heads:
-   each byte is converted once, whatever G, and no dequantized copy of any context is made.
-   q * scale is exact in float32, so the result is the float32 attention over the dequantized
-   cache. Softmax weights stay float32 (no bfloat16 rounding). The step's K/V are quantized
-   and stored by the caller before the call.
+   head) the kernel decodes up to TILE_KEYS of the block's rows into a tile on the stack
+   (L1-resident), then runs the inner loops above over it for the G query heads: each byte is
+   converted once, whatever G, and no dequantized copy of any context is made. Two kinds of
+   tile: float32 (the values times their scales, exact in float32: the float32 attention over
+   the dequantized cache, float32 softmax weights), and, for bfloat16 queries on AVX512-BF16
+   CPUs, bfloat16 (the unscaled values, exact in bfloat16; the scales applied to the scores
+   and to the softmax weights, which are rounded to bfloat16 as the bfloat16 kernel rounds
+   them). The step's K/V are quantized and stored by the caller before the call.
 
    Conversion: the portable loops read fp8 (e4m3, e5m2) from the 256-entry table a->lut and
    convert int8; the AVX-512 ones convert 16 bytes at a time: int8 sign-extends; e5m2 is the
