@@ -72,6 +72,26 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
+def start_driver_thread(world_size: int, spec: Any, device: torch.device, init_method: str,
+                        build) -> tuple[threading.Thread, dict[str, Any]]:
+    """Join the group as rank 0 and build its worker in a started helper thread, so that the
+    caller can watch the other ranks meanwhile (a rank that fails to start is reported at
+    once, not after the rendezvous timeout). The dict gets ``"ok"``: (group, the build's
+    result), or ``"error"``: the exception."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            group = init_distributed(0, world_size, init_method, device, TIMEOUT_S)
+            result["ok"] = (group, build(spec, device, group))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, name="pagellm-tp-driver-start", daemon=True)
+    thread.start()
+    return thread, result
+
+
 def worker_plan(plan: SchedulerOutput) -> SchedulerOutput:
     """The plan as the non-driver ranks need it: the tokens of this step only (not each
     sequence's whole history, which would make the message grow with the context), no
@@ -160,17 +180,7 @@ class MultiprocExecutor:
                       ) -> tuple[TensorParallelGroup, Any]:
         """Join the group and build rank 0 in a helper thread while watching the workers: a
         worker that fails to start is reported at once, not after the rendezvous timeout."""
-        result: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                group = init_distributed(0, self.world_size, init_method, device, TIMEOUT_S)
-                result["ok"] = (group, build(spec, device, group))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                result["error"] = exc
-
-        thread = threading.Thread(target=run, name="pagellm-tp-driver-start", daemon=True)
-        thread.start()
+        thread, result = start_driver_thread(self.world_size, spec, device, init_method, build)
         ready = [False] * len(self.processes)
         deadline = time.monotonic() + TIMEOUT_S
         while thread.is_alive() or not all(ready):

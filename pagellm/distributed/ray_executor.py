@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 
 from pagellm.core.plan import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed.executor import (STRAGGLER_GRACE_S, TIMEOUT_S, WorkerDiedError,
-                                          worker_plan)
+                                          start_driver_thread, worker_plan)
 from pagellm.distributed.parallel_state import destroy_distributed, free_port, init_distributed
 
 logger = logging.getLogger("pagellm")
@@ -100,17 +99,7 @@ class RayExecutor:
         that fails to start is reported at once."""
         import ray
 
-        result: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                group = init_distributed(0, self.world_size, init_method, device, TIMEOUT_S)
-                result["ok"] = (group, build(spec, device, group))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                result["error"] = exc
-
-        thread = threading.Thread(target=run, name="pagellm-tp-driver-start", daemon=True)
-        thread.start()
+        thread, result = start_driver_thread(self.world_size, spec, device, init_method, build)
         pending, deadline = list(starts), time.monotonic() + TIMEOUT_S
         while pending or thread.is_alive():
             if pending:
