@@ -19,6 +19,7 @@ filled with ``<extra_N>`` tokens). Ids 0, 1, 2 are ``<s>`` (BOS, prepended on en
 from __future__ import annotations
 
 import inspect
+import time
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +184,24 @@ def random_prompts(lengths: list[int], vocab_size: int = 512, seed: int = 0,
     prefix = prefix or []
     return [prefix + torch.randint(3, vocab_size, (n - len(prefix),), generator=gen).tolist()
             for n in lengths]
+
+
+def is_gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its reaper counts as gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status or "\nState:\tX" in status
+
+
+def wait_gone(pids: int | list[int], timeout: float) -> bool:
+    """Whether the processes all exit within ``timeout`` seconds (children see their parent's
+    exit only a moment after it)."""
+    pids = [pids] if isinstance(pids, int) else pids
+    deadline = time.monotonic() + timeout
+    while not all(is_gone(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

@@ -11,32 +11,13 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from helpers import random_prompts
+from helpers import is_gone, random_prompts, wait_gone
 from tp_engines import BASE_KWARGS
 
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.core.engine import EngineDeadError
-
-
-def is_gone(pid: int) -> bool:
-    """The process has exited (a zombie waiting for its reaper counts as gone)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "\nState:\tZ" in status or "\nState:\tX" in status
-
-
-def wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if is_gone(pid):
-            return True
-        time.sleep(0.1)
-    return is_gone(pid)
 
 
 def test_killing_a_worker_mid_run_raises_within_seconds(engines, tiny_models):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import is_gone, wait_gone
 from server_utils import MODEL_NAME, ServerProcess
 
 from pagellm import SamplingParams
@@ -16,13 +17,6 @@ def child_pids(pid: int) -> list[int]:
     return [int(p) for p in children.read_text().split()] if children.exists() else []
 
 
-def is_gone(pid: int) -> bool:
-    try:
-        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-
-
 @pytest.fixture(scope="module")
 def tp_server(tiny_model, tmp_path_factory):
     proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("tp") / "serve.log", "-tp", "2")
@@ -31,7 +25,7 @@ def tp_server(tiny_model, tmp_path_factory):
     workers = child_pids(proc.proc.pid)
     code = proc.stop()
     assert code == 0, f"server exit status {code}:\n{proc.log()}"
-    assert all(is_gone(p) for p in workers)
+    assert wait_gone(workers, 10.0), [p for p in workers if not is_gone(p)]
 
 
 def test_tensor_parallel_server_answers_the_openai_client(tp_server, reference_llm):
