@@ -19,6 +19,9 @@ filled with ``<extra_N>`` tokens). Ids 0, 1, 2 are ``<s>`` (BOS, prepended on en
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -205,3 +208,17 @@ def wait_gone(pids: int | list[int], timeout: float) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def assert_compiles(script: str) -> None:
+    """Run ``script`` (it compiles Triton kernels for a GPU target, which needs no GPU) in a
+    fresh interpreter without TRITON_INTERPRET; it prints "compiled", or "SKIP ..." where the
+    toolchain is missing (then the test is skipped)."""
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], env=env,
+                            capture_output=True, text=True, timeout=300)
+    if result.stderr.startswith("SKIP") or result.stdout.startswith("SKIP"):
+        pytest.skip(result.stderr.strip() or result.stdout.strip())
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
