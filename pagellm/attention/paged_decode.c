@@ -340,6 +340,40 @@ INLINE void round_weights(const float* restrict sc, bf16_t* restrict w, int64_t 
   for (; j < len; j++) w[j] = store_bf16(sc[j]);
 }
 
+/* Between the passes, on every thread: the softmax of every (sequence, query head) row, its
+   weights rounded to bfloat16 where the value loop reads them so (rounded), and the rows'
+   partial sums zeroed. */
+INLINE void softmax_rows(const decode_args* a, int64_t nt, int rounded) {
+  const int64_t H = a->num_heads, rf = row_floats(a);
+  _Pragma("omp barrier")
+  _Pragma("omp for schedule(static)")
+  for (int64_t r = 0; r < a->num_seqs * H; r++) {
+    const int64_t len = a->seq_lens[r / H];
+    const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
+    float* row = a->workspace + r * rf;
+    row[rf - 1] = softmax_row(row, start, len);
+    if (rounded) round_weights(row, (bf16_t*)(row + a->max_seq_len), start, len);
+    for (int64_t u = 0; u < nt; u++) memset(partial_sum(a, u, r), 0, a->head_dim * sizeof(float));
+  }
+}
+
+/* After pass 2, on every thread: each row's output (bfloat16 or float32), its threads' partial
+   sums added up and divided by the softmax sum. */
+INLINE void reduce_rows(const decode_args* a, int64_t nt, int bf16_out) {
+  const int64_t rf = row_floats(a), D = a->head_dim;
+  _Pragma("omp barrier")
+  _Pragma("omp for schedule(static)")
+  for (int64_t r = 0; r < a->num_seqs * a->num_heads; r++) {
+    const float inv_sum = a->workspace[r * rf + rf - 1];
+    for (int64_t d = 0; d < D; d++) {
+      float sum = 0.0f;
+      for (int64_t u = 0; u < nt; u++) sum += partial_sum(a, u, r)[d];
+      if (bf16_out) ((bf16_t*)a->out)[r * D + d] = store_bf16(sum * inv_sum);
+      else ((float*)a->out)[r * D + d] = sum * inv_sum;
+    }
+  }
+}
+
 /* ---- the kernel ------------------------------------------------------------------------ */
 
 /* Software prefetch into L2 (prefetcht2: prefetcht0 stalls on the L1 fill buffers) of the
@@ -363,7 +397,7 @@ INLINE int64_t pair_keys(const decode_args* a, int64_t p, int64_t* lo) {
 /* What one thread of the parallel region does, for one (dtype, inner loops). It is inlined
    inside each instance's parallel region below, where D and G are literals (OpenMP outlines
    the region before constants propagate into it). */
-#define DEFINE_KERNEL(NAME, T, W, STORE, SCORE, VALUE, ROUNDED)                              \
+#define DEFINE_KERNEL(NAME, T, W, SCORE, VALUE, ROUNDED)                                     \
 INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
   const int64_t KVH = a->num_kv_heads, H = a->num_heads, S = a->num_seqs;                    \
   const int64_t bs = a->block_size, rf = row_floats(a), L = a->max_seq_len;                  \
@@ -400,43 +434,19 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
           }                                                                                  \
         }                                                                                    \
       }                                                                                      \
-      if (pass == 0) { /* softmax of every row; partial sums zeroed */                       \
-        _Pragma("omp barrier")                                                               \
-        _Pragma("omp for schedule(static)")                                                  \
-        for (int64_t r = 0; r < S * H; r++) {                                                \
-          const int64_t len = a->seq_lens[r / H];                                            \
-          const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;      \
-          float* row = rows + r * rf;                                                        \
-          row[rf - 1] = softmax_row(row, start, len);                                        \
-          if (ROUNDED) round_weights(row, (bf16_t*)(row + L), start, len);                   \
-          for (int64_t u = 0; u < nt; u++) memset(partial_sum(a, u, r), 0, D * sizeof(float)); \
-        }                                                                                    \
-      }                                                                                      \
+      if (pass == 0) softmax_rows(a, nt, ROUNDED);                                           \
     }                                                                                        \
-    _Pragma("omp barrier")                                                                   \
-    _Pragma("omp for schedule(static)")                                                      \
-    for (int64_t r = 0; r < S * H; r++) {                                                    \
-      const float inv_sum = rows[r * rf + rf - 1];                                           \
-      T* o = (T*)a->out + r * D;                                                             \
-      for (int64_t d = 0; d < D; d++) {                                                      \
-        float sum = 0.0f;                                                                    \
-        for (int64_t u = 0; u < nt; u++) sum += partial_sum(a, u, r)[d];                     \
-        o[d] = STORE(sum * inv_sum);                                                         \
-      }                                                                                      \
-    }                                                                                        \
+    reduce_rows(a, nt, sizeof(T) == 2);                                                      \
   }                                                                                          \
 }
 
-DEFINE_KERNEL(kernel_f32_portable, float, float, store_f32, score_f32_portable,
-              value_f32_portable, 0)
-DEFINE_KERNEL(kernel_bf16_portable, bf16_t, bf16_t, store_bf16, score_bf16_portable,
-              value_bf16_portable, 1)
+DEFINE_KERNEL(kernel_f32_portable, float, float, score_f32_portable, value_f32_portable, 0)
+DEFINE_KERNEL(kernel_bf16_portable, bf16_t, bf16_t, score_bf16_portable, value_bf16_portable, 1)
 #ifdef USE_AVX512
-DEFINE_KERNEL(kernel_f32_avx512, float, float, store_f32, score_f32_avx512, value_f32_avx512, 0)
+DEFINE_KERNEL(kernel_f32_avx512, float, float, score_f32_avx512, value_f32_avx512, 0)
 #endif
 #ifdef USE_AVX512_BF16
-DEFINE_KERNEL(kernel_bf16_avx512, bf16_t, bf16_t, store_bf16, score_bf16_avx512,
-              value_bf16_avx512, 1)
+DEFINE_KERNEL(kernel_bf16_avx512, bf16_t, bf16_t, score_bf16_avx512, value_bf16_avx512, 1)
 #endif
 
 /* Instances with literal head_dim (64, 128) and group size (1, 2, 3, 4, 8), so that inner
@@ -619,19 +629,19 @@ INLINE void value_tile_bf16(float* w, int64_t ws, const bf16_t* tile, const floa
 }
 #endif
 
-/* One thread's part, as DEFINE_KERNEL's, over 8-bit rows of R = D + 2 bytes: DEQUANT fills
-   the tile, SCORE / VALUE are the float32 inner loops. */
-#define DEFINE_Q8_KERNEL(NAME, QT, STORE, TT, DEQUANT, SCORE, VALUE)                         \
+/* One thread's part, as DEFINE_KERNEL's, over 8-bit rows of R = D + 2 bytes, KEYS rows of a
+   (block, KV head) at a time: PREP once before pass 1, then SCORE_ROWS and VALUE_ROWS over
+   the rows for the G query heads of the KV head (first row r0 of the workspace). */
+#define DEFINE_Q8_KERNEL(NAME, QT, KEYS, PREP, SCORE_ROWS, VALUE_ROWS)                       \
 INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
-  const int64_t KVH = a->num_kv_heads, H = a->num_heads, S = a->num_seqs;                    \
+  const int64_t KVH = a->num_kv_heads, H = a->num_heads;                                     \
   const int64_t bs = a->block_size, rf = row_floats(a), R = D + 2;                           \
   const int64_t block_bytes = bs * KVH * R;                                                  \
   float* rows = a->workspace;                                                                \
   {                                                                                          \
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
     const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;              \
-    TT tile[TILE_KEYS * 256];                                                                \
-    float sc[TILE_KEYS];                                                                     \
+    PREP(a, t, nt, D);                                                                       \
     for (int pass = 0; pass < 2; pass++) {                                                   \
       const uint8_t* cache = (const uint8_t*)(pass == 0 ? a->k_cache : a->v_cache);          \
       for (int64_t p = pb; p < pe; p++) {                                                    \
@@ -642,45 +652,43 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
         const uint8_t* block = cache + a->pair_phys[p] * block_bytes;                        \
         for (int64_t h = 0; h < KVH; h++) {                                                  \
           if (ahead) prefetch_share(ahead, block_bytes, h, KVH);                             \
-          float* row = rows + (s * H + h * G) * rf;                                          \
-          for (int64_t k0 = lo; k0 < hi; k0 += TILE_KEYS) {                                  \
-            const int64_t n = hi - k0 < TILE_KEYS ? hi - k0 : TILE_KEYS;                     \
-            const int64_t pos = a->pair_block[p] * bs + k0;                                  \
-            DEQUANT(block + (k0 * KVH + h) * R, KVH * R, n, a->lut, tile, sc, D);            \
-            if (pass == 0) {                                                                 \
-              for (int64_t g = 0; g < G; g++)                                                \
-                SCORE((const QT*)a->q + (s * H + h * G + g) * D, tile, sc, n, a->scale,      \
-                      row + g * rf + pos, D);                                                \
-            } else {                                                                         \
-              VALUE(row + pos, rf, tile, sc, n, partial_sum(a, t, s * H + h * G), D, G);     \
-            }                                                                                \
+          const int64_t r0 = s * H + h * G;                                                  \
+          for (int64_t k0 = lo; k0 < hi; k0 += KEYS) {                                       \
+            const int64_t n = hi - k0 < KEYS ? hi - k0 : KEYS;                               \
+            float* w = rows + r0 * rf + a->pair_block[p] * bs + k0; /* key k0's place */     \
+            const uint8_t* kv = block + (k0 * KVH + h) * R;                                  \
+            if (pass == 0) SCORE_ROWS(a, kv, KVH * R, n, r0, w, rf, D, G);                   \
+            else VALUE_ROWS(a, kv, KVH * R, n, w, rf, partial_sum(a, t, r0), D, G);          \
           }                                                                                  \
         }                                                                                    \
       }                                                                                      \
-      if (pass == 0) {                                                                       \
-        _Pragma("omp barrier")                                                               \
-        _Pragma("omp for schedule(static)")                                                  \
-        for (int64_t r = 0; r < S * H; r++) {                                                \
-          const int64_t len = a->seq_lens[r / H];                                            \
-          const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;      \
-          float* row = rows + r * rf;                                                        \
-          row[rf - 1] = softmax_row(row, start, len);                                        \
-          for (int64_t u = 0; u < nt; u++) memset(partial_sum(a, u, r), 0, D * sizeof(float)); \
-        }                                                                                    \
-      }                                                                                      \
+      if (pass == 0) softmax_rows(a, nt, 0);                                                 \
     }                                                                                        \
-    _Pragma("omp barrier")                                                                   \
-    _Pragma("omp for schedule(static)")                                                      \
-    for (int64_t r = 0; r < S * H; r++) {                                                    \
-      const float inv_sum = rows[r * rf + rf - 1];                                           \
-      QT* o = (QT*)a->out + r * D;                                                           \
-      for (int64_t d = 0; d < D; d++) {                                                      \
-        float sum = 0.0f;                                                                    \
-        for (int64_t u = 0; u < nt; u++) sum += partial_sum(a, u, r)[d];                     \
-        o[d] = STORE(sum * inv_sum);                                                         \
-      }                                                                                      \
-    }                                                                                        \
+    reduce_rows(a, nt, sizeof(QT) == 2);                                                     \
   }                                                                                          \
+}
+INLINE void no_prep(const decode_args* a, int64_t t, int64_t nt, const int64_t D) {
+  (void)a; (void)t; (void)nt; (void)D;
+}
+/* The tile kernels' row passes: DEQUANT decodes the rows into a tile (on the stack), then the
+   inner loops SCORE (per query head) or VALUE (all G) run over it. */
+#define DEFINE_TILE_ROWS(NAME, QT, TT, DEQUANT, SCORE, VALUE)                                \
+INLINE void score_rows_##NAME(const decode_args* a, const uint8_t* k, int64_t ks, int64_t n, \
+                              int64_t r0, float* out, int64_t rf, const int64_t D,           \
+                              const int64_t G) {                                             \
+  TT tile[TILE_KEYS * 256];                                                                  \
+  float sc[TILE_KEYS];                                                                       \
+  DEQUANT(k, ks, n, a->lut, tile, sc, D);                                                    \
+  for (int64_t g = 0; g < G; g++)                                                            \
+    SCORE((const QT*)a->q + (r0 + g) * D, tile, sc, n, a->scale, out + g * rf, D);           \
+}                                                                                            \
+INLINE void value_rows_##NAME(const decode_args* a, const uint8_t* v, int64_t vs, int64_t n, \
+                              float* w, int64_t rf, float* acc, const int64_t D,             \
+                              const int64_t G) {                                             \
+  TT tile[TILE_KEYS * 256];                                                                  \
+  float sc[TILE_KEYS];                                                                       \
+  DEQUANT(v, vs, n, a->lut, tile, sc, D);                                                    \
+  VALUE(w, rf, tile, sc, n, acc, D, G);                                                      \
 }
 /* Instances: literal head_dim only (any group size; the 16-bit kernels' G literals would
    double the compile time), portable ones generic. */
@@ -692,8 +700,9 @@ static void NAME(const decode_args* a) {                                        
   PARALLEL(KERNEL, a->head_dim, G)                                                           \
 }
 #define Q8_INSTANCE(NAME, QT, TT, DEQUANT, OPS)                                              \
-  DEFINE_Q8_KERNEL(kernel_##NAME, QT, store_##QT, TT, DEQUANT, score_tile_##OPS,             \
-                   value_tile_##OPS)                                                         \
+  DEFINE_TILE_ROWS(NAME, QT, TT, DEQUANT, score_tile_##OPS, value_tile_##OPS)                \
+  DEFINE_Q8_KERNEL(kernel_##NAME, QT, TILE_KEYS, no_prep, score_rows_##NAME,                 \
+                   value_rows_##NAME)                                                        \
   DISPATCH_Q8(run_##NAME, kernel_##NAME)
 typedef bf16_t bf16;
 typedef float f32;
