@@ -5,6 +5,11 @@ then runs the same kernels as for a Hugging Face checkpoint, and the peak memory
 is the final weights plus one tensor in float32 (``gguf.GGUFReader`` memory-maps the file, so
 the quantized bytes are paged in as they are read, not held).
 
+With ``quantization`` the projections are quantized from the float32 dequantization of the
+file (model/quantize_on_load.py), not from its copy in the engine's dtype; Q4_0, Q4_1 and Q4_K
+blocks are int4 groups of 32 as they are, so with ``quantization="int4"`` and groups of 32
+their codes are taken over (``int4_codes``) and nothing is re-quantized.
+
 llama.cpp's converter reorders the rows of the Llama family's q and k projections (each head's
 rotary pairs (i, i + d/2) become adjacent rows, the GPT-J layout its kernels rotate); loading
 undoes that so that the rotary embedding here, which pairs i with i + d/2, sees transformers'

@@ -13,9 +13,12 @@ scales and zeros are stored in it too (the kernels' contract), so ``dequantized(
 reference the tests compare against — is computed from the scales as stored.
 
 GGUF blocks map onto int4 without a detour where the layouts match: Q4_0 (``d * (q - 8)``)
-and Q4_1 (``d * q + m``) over 32 columns are int4 with group 32, scale d and zero 0 or
-m + 8d (gguf_loader.py). Everything else is quantized from the loaded weight
-(``quantize_linear_weights``).
+and Q4_1 (``d * q + m``) over 32 columns, and each sub-block of 32 of a Q4_K super-block
+(``d * sc * q - dmin * m``), are int4 with group 32, scale d (d * sc) and zero 0, m + 8d
+(8 d sc - dmin m) (gguf_loader.int4_codes). Everything else is quantized while loading from
+the checkpoint's values in float32 (``int8_quantize`` / ``int4_quantize`` per checkpoint
+tensor, model/quantize_on_load.py), never from a copy already rounded to bfloat16;
+``quantize_linear_weights`` quantizes what is left from the loaded weight.
 """
 from __future__ import annotations
 
