@@ -5,6 +5,11 @@ then runs the same kernels as for a Hugging Face checkpoint, and the peak memory
 is the final weights plus one tensor in float32 (``gguf.GGUFReader`` memory-maps the file, so
 the quantized bytes are paged in as they are read, not held).
 
+With ``quantization`` the projections are quantized from the float32 dequantization of the
+file (model/quantize_on_load.py), not from its copy in the engine's dtype; Q4_0, Q4_1 and Q4_K
+blocks are int4 groups of 32 as they are, so with ``quantization="int4"`` and groups of 32
+their codes are taken over (``int4_codes``) and nothing is re-quantized.
+
 llama.cpp's converter reorders the rows of the Llama family's q and k projections (each head's
 rotary pairs (i, i + d/2) become adjacent rows, the GPT-J layout its kernels rotate); loading
 undoes that so that the rotary embedding here, which pairs i with i + d/2, sees transformers'
@@ -22,6 +27,7 @@ import torch
 
 from pagellm.model.decoder import CausalLM
 from pagellm.model.gguf_config import field_value, load_gguf_config, open_reader
+from pagellm.model.quantize_on_load import QuantizingLoad
 
 # The tensor types whose dequantization (gguf.quants.dequantize) is supported and tested.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -99,57 +105,85 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-# GGUF 4-bit blocks of 32 weights that are int4 groups as they are (quantized_linear.py):
-# Q4_0 = fp16 d, 16 bytes of nibbles (d * (q - 8)); Q4_1 = fp16 d, fp16 m, nibbles (d * q + m).
-INT4_BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20}
+# GGUF 4-bit blocks that are int4 groups of 32 as they are (quantized_linear.py), by bytes
+# per block: Q4_0 = fp16 d, 16 bytes of nibbles (d * (q - 8)); Q4_1 = fp16 d, fp16 m, nibbles
+# (d * q + m); Q4_K = a super-block of 256: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and
+# mins of its 8 sub-blocks of 32, 128 bytes of nibbles (d * sc_j * q - dmin * m_j).
+INT4_BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 
 
 def int4_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0 / Q4_1 tensor's codes [out, in] (0..15), scales and zeros [out, in / 32]
+    """A Q4_0 / Q4_1 / Q4_K tensor's codes [out, in] (0..15), scales and zeros [out, in / 32]
     float32, in int4pack's convention (q - 8) * scale + zero: the file's values exactly."""
     block_bytes = INT4_BLOCK_TYPES[tensor.tensor_type.name]
     rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1, block_bytes)
-    d = rows[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, blocks]
-    if block_bytes == 18:
-        zero = np.zeros_like(d)
+    if block_bytes == 144:
+        codes, scale, zero = _q4_k_groups(rows)
     else:
-        zero = rows[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
-    nibbles = rows[..., block_bytes - 16:]  # [out, blocks, 16]: element j low, j + 16 high
-    codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # [out, blocks, 32]
+        scale = _float16(rows, 0)  # [out, blocks]
+        zero = np.zeros_like(scale) if block_bytes == 18 else _float16(rows, 2) + 8 * scale
+        nibbles = rows[..., block_bytes - 16:]  # [out, blocks, 16]: j low, j + 16 high
+        codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # [out, blocks, 32]
     return (torch.from_numpy(codes.reshape(rows.shape[0], -1).astype(np.uint8)),
-            torch.from_numpy(d), torch.from_numpy(zero))
+            torch.from_numpy(scale.reshape(rows.shape[0], -1)),
+            torch.from_numpy(zero.reshape(rows.shape[0], -1)))
+
+
+def _q4_k_groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """rows [out, super-blocks, 144] of Q4_K -> codes [out, sb, 8, 32], scale and zero
+    [out, sb, 8] float32. ggml's get_scale_min_k4: bytes 0-3 hold the low 6 bits of the
+    scales of sub-blocks 0-3, bytes 4-7 those of their mins; sub-block j >= 4 takes its scale's
+    low 4 bits from byte j + 4's low nibble (its min's from the high nibble) and the top 2
+    bits from the top bits of byte j - 4 (its min's: byte j). Sub-blocks 2i and 2i + 1 are the
+    low and the high nibbles of the i-th 32 bytes of quants."""
+    d, dmin = _float16(rows, 0)[..., None], _float16(rows, 2)[..., None]  # [out, sb, 1]
+    packed = rows[..., 4:16]  # [out, sb, 12]
+    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low & 63, (mixed & 15) | ((low >> 6) << 4)], axis=-1)  # [out, sb, 8]
+    m = np.concatenate([high & 63, (mixed >> 4) | ((high >> 6) << 4)], axis=-1)
+    scale = d * sc.astype(np.float32)
+    zero = 8 * scale - dmin * m.astype(np.float32)  # (q - 8) * scale + zero = d sc q - dmin m
+    quants = rows[..., 16:].reshape(*rows.shape[:2], 4, 1, 32)
+    codes = (quants >> np.array([0, 4], dtype=np.uint8)[:, None]) & 15  # [out, sb, 4, 2, 32]
+    return codes, scale, zero
+
+
+def _float16(rows: np.ndarray, offset: int) -> np.ndarray:
+    """The fp16 at byte ``offset`` of every block, as float32 [out, blocks]."""
+    return rows[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: bool = False,
-                         int4: dict[str, tuple[torch.Tensor, ...]] | None = None
+                         quantizing: QuantizingLoad | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """(transformers name, tensor in ``dtype``) for every tensor of the file, one at a time.
     ``lazy``: a GGUFTensorSlice instead, which dequantizes only the rows or columns a weight
-    loader reads (a tensor-parallel rank's shard). With ``int4``, the codes of Q4_0 / Q4_1
-    projections are also put there by name."""
+    loader reads (a tensor-parallel rank's shard). ``quantizing`` (int4 with groups of 32):
+    the codes of the Q4_0 / Q4_1 / Q4_K projections are handed to it as they are."""
     from pagellm.model.gguf_slices import GGUFTensorSlice
 
     permute = field_value(reader, "general.architecture") == "llama"
     heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
+    direct = (quantizing is not None and quantizing.method == "int4"
+              and quantizing.group_size == 32)
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
         name = hf_tensor_name(tensor.name)
+        module = name.rsplit(".", 2)[-2]  # "q_proj" of "model.layers.0.self_attn.q_proj.weight"
+        reorder = heads[module] if permute and module in heads else None
         if lazy:
-            module = name.rsplit(".", 2)[-2]
-            yield name, GGUFTensorSlice(tensor, dtype, heads[module]
-                                        if permute and module in heads else None)
+            yield name, GGUFTensorSlice(tensor, dtype, reorder)
             continue
         value = dequantize(tensor, dtype)
-        module = name.rsplit(".", 2)[-2]  # "q_proj" of "model.layers.0.self_attn.q_proj.weight"
-        if permute and module in heads:
-            value = unpermute_qk(value, heads[module])
-        if (int4 is not None and tensor.tensor_type.name in INT4_BLOCK_TYPES
-                and module.endswith("proj")):
+        if reorder:
+            value = unpermute_qk(value, reorder)
+        if (direct and tensor.tensor_type.name in INT4_BLOCK_TYPES
+                and quantizing.method_of(name) == "int4"):
             parts = int4_codes(tensor)
-            if permute and module in heads:  # rows move; groups run along the input
-                parts = tuple(unpermute_qk(p, heads[module]) for p in parts)
-            int4[name] = parts
+            if reorder:  # rows move; groups run along the input
+                parts = tuple(unpermute_qk(p, reorder) for p in parts)
+            quantizing.add(name, parts)
         yield name, value
 
 
@@ -159,48 +193,22 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
                     quantization_group_size: int = 128) -> tuple[CausalLM, Any]:
     """Build the model of a GGUF file and load its dequantized weights: (model, hf_config).
     Under tensor parallelism (``tp``) each rank dequantizes only its rows or columns of each
-    tensor (model/gguf_slices.py)."""
+    tensor (model/gguf_slices.py). With ``quantization`` the tensors are read in float32 and
+    the projections quantized from those values (model/quantize_on_load.py), or taken as
+    they are where the blocks are the format (int4 groups of 32 from Q4_0 / Q4_1 / Q4_K)."""
     from pagellm.model.loader import build_model, finish_weights, load_weights
 
     hf_config = load_gguf_config(path)
     model = build_model(hf_config, dtype, device, tp)
     lazy = tp is not None and tp.world_size > 1
-    int4: dict[str, tuple[torch.Tensor, ...]] | None = None
-    if quantization == "int4" and quantization_group_size == 32 and not lazy:
-        int4 = {}
-    load_weights(model, iterate_gguf_weights(open_reader(path), hf_config, dtype, lazy, int4))
-    if int4:
-        _map_int4_blocks(model, int4, dtype)
+    quantizing = None
+    if quantization is not None and not lazy:
+        quantizing = QuantizingLoad(model, quantization, quantization_group_size)
+    weights = iterate_gguf_weights(open_reader(path), hf_config,
+                                   torch.float32 if quantizing else dtype, lazy, quantizing)
+    load_weights(model, quantizing.stream(weights) if quantizing else weights)
     finish_weights(model, device, pack_weights, quantization, quantization_group_size)
     return model.eval(), hf_config
-
-
-def _map_int4_blocks(model: CausalLM, int4: dict[str, tuple[torch.Tensor, ...]],
-                     dtype: torch.dtype) -> None:
-    """Give every projection whose shards all came as Q4_0 / Q4_1 blocks an Int4Weight made
-    of the file's codes (the fused ones: shards stacked along the output, as loaded); the
-    others are quantized from their loaded weight afterwards."""
-    from pagellm.model.layers.linear import Linear
-    from pagellm.model.layers.quantized_linear import Int4Weight
-
-    inverse = {fused: [] for fused, _ in model.packed_modules_mapping.values()}
-    for checkpoint, (fused, shard) in model.packed_modules_mapping.items():
-        inverse[fused].append((shard, checkpoint))
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear):
-            continue
-        prefix, _, leaf = name.rpartition(".")
-        shards = getattr(module, "shard_ids", None)
-        if shards is None:
-            names = [f"{name}.weight"]
-        else:
-            by_shard = dict(inverse.get(leaf, []))
-            names = [f"{prefix}.{by_shard.get(s, '?')}.weight" for s in shards]
-        if not all(n in int4 for n in names):
-            continue
-        codes, scale, zero = (torch.cat(p) for p in zip(*(int4[n] for n in names)))
-        module.quantized = Int4Weight.from_codes(codes, scale, zero, 32, dtype)
-        module.weight.data = torch.empty(0, dtype=module.weight.dtype)
 
 
 def get_gguf_tokenizer(path: str | Path, **kwargs: Any) -> Any:

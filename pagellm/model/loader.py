@@ -24,6 +24,7 @@ from pagellm.model.gguf_config import is_gguf_file, load_gguf_config
 from pagellm.model.layers import default_weight_loader
 from pagellm.model.layers.quantized_linear import (check_supported, quantize_linear,
                                                     quantize_linear_weights)
+from pagellm.model.quantize_on_load import QuantizingLoad
 from pagellm.model.registry import get_model_class
 
 # What a hub download fetches: weights as safetensors, configs, tokenizer files.
@@ -125,7 +126,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
 
     On the CPU the projections are then packed for oneDNN (CausalLM.pack_weights) unless
     ``pack_weights`` is False; with ``quantization`` ("int8", "int4") they are quantized
-    instead (model/layers/quantized_linear.py; one rank only)."""
+    instead, from the checkpoint's values as they stream in (model/quantize_on_load.py,
+    model/layers/quantized_linear.py; one rank only)."""
     tp = tp or single_device_group()
     check_supported(quantization, torch.device(device), dtype)
     if quantization is not None and tp.world_size > 1:
@@ -142,14 +144,18 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     hf_config = load_config(path)
     files = weight_files(path, allow_pickle)
     model = build_model(hf_config, dtype, device, tp)
-    load_weights(model, iterate_weights(files, lazy=tp.world_size > 1))
+    weights = iterate_weights(files, lazy=tp.world_size > 1)
+    if quantization is not None:  # from the stored values, not the copy in ``dtype``
+        weights = QuantizingLoad(model, quantization, quantization_group_size).stream(weights)
+    load_weights(model, weights)
     finish_weights(model, device, pack_weights, quantization, quantization_group_size)
     return model.eval(), hf_config
 
 
 def finish_weights(model: CausalLM, device: torch.device | str, pack_weights: bool,
                    quantization: str | None, group_size: int) -> None:
-    """After loading: quantize the projections, or pack them for oneDNN on the CPU."""
+    """After loading: quantize the projections not quantized while loading (from their
+    loaded weight), or pack them for oneDNN on the CPU."""
     if quantization is not None:
         shared = {id(model.lm_head.weight)} if model.tie_word_embeddings else set()
         if model.lm_head.quantized is None:  # the logits' matrix stays at 8 bits, as in llama.cpp

@@ -43,9 +43,11 @@ class PagedGreedy:
     """A loaded model, its KV cache and block manager; ``generate`` may be called repeatedly
     (finished sequences leave their full blocks in the prefix index)."""
 
-    def __init__(self, model_dir: Path, block_size: int = 16, num_blocks: int = 512,
-                 dtype: torch.dtype = torch.float32, prefix_caching: bool = False) -> None:
-        model, hf_config = load_model(model_dir, dtype=dtype)
+    def __init__(self, model_dir: Path | None, block_size: int = 16, num_blocks: int = 512,
+                 dtype: torch.dtype = torch.float32, prefix_caching: bool = False,
+                 loaded: tuple | None = None) -> None:
+        """``loaded``: (model, hf_config) already loaded, instead of loading ``model_dir``."""
+        model, hf_config = loaded or load_model(model_dir, dtype=dtype)
         self.cache = CacheEngine(hf_config, num_blocks, 0, block_size, dtype, "cpu")
         self.runner = ModelRunner(model, self.cache, "cpu")
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)

@@ -13,9 +13,12 @@ scales and zeros are stored in it too (the kernels' contract), so ``dequantized(
 reference the tests compare against — is computed from the scales as stored.
 
 GGUF blocks map onto int4 without a detour where the layouts match: Q4_0 (``d * (q - 8)``)
-and Q4_1 (``d * q + m``) over 32 columns are int4 with group 32, scale d and zero 0 or
-m + 8d (gguf_loader.py). Everything else is quantized from the loaded weight
-(``quantize_linear_weights``).
+and Q4_1 (``d * q + m``) over 32 columns, and each sub-block of 32 of a Q4_K super-block
+(``d * sc * q - dmin * m``), are int4 with group 32, scale d (d * sc) and zero 0, m + 8d
+(8 d sc - dmin m) (gguf_loader.int4_codes). Everything else is quantized while loading from
+the checkpoint's values in float32 (``int8_quantize`` / ``int4_quantize`` per checkpoint
+tensor, model/quantize_on_load.py), never from a copy already rounded to bfloat16;
+``quantize_linear_weights`` quantizes what is left from the loaded weight.
 """
 from __future__ import annotations
 
@@ -34,12 +37,9 @@ class Int8Weight(nn.Module):
         self.register_buffer("scale", scale.contiguous())
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
-        w = weight.float()
-        amax = w.abs().amax(1)
-        scale = torch.where(amax > 0, amax / 127, 1.0).to(weight.dtype)
-        q = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(q, scale)
+    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Weight:
+        """``dtype``: the activation dtype the scales are stored in (default: the weight's)."""
+        return cls(*int8_quantize(weight, dtype or weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
@@ -70,16 +70,13 @@ class Int4Weight(nn.Module):
         self._q = None  # unpacked codes, kept only for dequantized() in tests
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, group_size: int) -> Int4Weight:
-        out_features, in_features = weight.shape
-        _check_group(in_features, group_size, out_features)
-        groups = weight.float().view(out_features, in_features // group_size, group_size)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scale = torch.where(high > low, (high - low) / 15, 1.0).to(weight.dtype).float()
-        zero = (low + 8 * scale).to(weight.dtype).float()  # (q - 8) * scale + zero
-        q = ((groups - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15)
-        return cls.from_codes(q.view(out_features, in_features), scale, zero, group_size,
-                              weight.dtype)
+    def quantize(cls, weight: torch.Tensor, group_size: int,
+                 dtype: torch.dtype | None = None) -> Int4Weight:
+        """``dtype``: the activation dtype the scales and zeros are stored in (default: the
+        weight's)."""
+        dtype = dtype or weight.dtype
+        _check_group(weight.shape[1], group_size, weight.shape[0])
+        return cls.from_codes(*int4_quantize(weight, group_size, dtype), group_size, dtype)
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -104,11 +101,38 @@ class Int4Weight(nn.Module):
         return self.packed.nbytes + self.scale_and_zero.nbytes
 
 
-def _check_group(in_features: int, group_size: int, out_features: int) -> None:
+def int8_quantize(weight: torch.Tensor, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (any float dtype, read in float32) -> q [N, K] int8, scale [N] in
+    ``dtype``; q is computed with the scale as stored. Rows are independent: the rows of a
+    stacked weight quantize as each part alone."""
+    w = weight.float()
+    amax = w.abs().amax(1)
+    scale = torch.where(amax > 0, amax / 127, 1.0).to(dtype)
+    q = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int4_quantize(weight: torch.Tensor, group_size: int, dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] (read in float32) -> codes [N, K] uint8 in [0, 15], scale and zero
+    [N, K / group_size] float32 holding values of ``dtype`` (the codes are computed with
+    them as stored). Rows are independent, as for int8."""
+    out_features, in_features = weight.shape
+    _check_group(in_features, group_size)
+    groups = weight.float().view(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = torch.where(high > low, (high - low) / 15, 1.0).to(dtype).float()
+    zero = (low + 8 * scale).to(dtype).float()  # (q - 8) * scale + zero
+    q = ((groups - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15)
+    return q.view(out_features, in_features).to(torch.uint8), scale, zero
+
+
+def _check_group(in_features: int, group_size: int, out_features: int | None = None) -> None:
     if group_size not in (32, 64, 128, 256) or in_features % group_size:
         raise ValueError(f"int4 quantization: group_size={group_size} must be one of 32, 64, "
                          f"128, 256 and divide in_features={in_features}")
-    if out_features % 16:
+    if out_features is not None and out_features % 16:
         raise ValueError(f"int4 quantization: out_features={out_features} must be a multiple "
                          "of 16 (torch's int4 packing); use quantization='int8'")
 

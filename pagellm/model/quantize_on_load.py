@@ -1,0 +1,118 @@
+"""Quantize a model's projections from the checkpoint's own values while its weights load.
+
+Each projection is quantized from the checkpoint tensor as read, in float32 (a GGUF tensor
+dequantized to float32, a safetensors tensor in its stored dtype upcast), never from the copy
+loaded into the model: with ``dtype=bfloat16`` that copy is already rounded, and quantizing it
+would round each weight twice (a bfloat16 round trip). Where a GGUF file's blocks *are* the
+target format (Q4_0 / Q4_1 / Q4_K as int4 groups of 32, gguf_loader.int4_codes) the loader
+hands their codes in instead (``add``), and nothing is re-quantized.
+
+Both formats keep rows independent (int8: one scale per output row; int4: groups run along
+the input), so every checkpoint tensor — one shard of a fused projection such as q_proj of
+qkv_proj — is quantized alone, and the shards' parts stacked along the output equal the
+fused weight quantized whole. A projection is installed (``Linear.quantized`` set, its plain
+weight released) as soon as its last shard has been copied in, so the memory held beyond the
+model in its dtype is one float32 tensor and the parts of the projections still incomplete.
+A projection whose checkpoint names do not match (none in the supported families) is left to
+finish_weights, which quantizes it from its loaded weight.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from pagellm.model.layers.linear import Linear, as_tensor
+from pagellm.model.layers.quantized_linear import (Int4Weight, Int8Weight, int4_quantize,
+                                                    int8_quantize)
+
+# int8: (q [N, K] int8, scale [N] in the model dtype); int4: (codes [N, K] uint8, scale,
+# zero [N, K / group] float32)
+Parts = tuple[torch.Tensor, ...]
+
+
+class QuantizingLoad:
+    """The quantized parts of a model's projections, collected from the checkpoint tensors
+    streaming to ``load_weights``.
+
+    Invariants: ``parts`` holds only checkpoint names of projections not yet installed; a
+    projection is installed once, from parts of every one of its checkpoint tensors, in its
+    shards' order. The vocabulary projection is int8 whatever the method (finish_weights);
+    when tied, it is quantized from the embedding's tensor and its weight is kept.
+    """
+
+    def __init__(self, model: Any, method: str, group_size: int) -> None:
+        self.method, self.group_size = method, group_size
+        self.dtype = model.lm_head.weight.dtype
+        self.parts: dict[str, Parts] = {}
+        # projection module -> its checkpoint tensors, in its output's order
+        self._sources: dict[Linear, list[str]] = {}
+        self._module_of: dict[str, Linear] = {}  # checkpoint name -> projection
+        self._lm_head = model.lm_head
+        self._shared = {id(model.lm_head.weight)} if model.tie_word_embeddings else set()
+        for module, names in _projection_sources(model).items():
+            self._sources[module] = names
+            self._module_of.update((n, module) for n in names)
+
+    def method_of(self, name: str) -> str | None:
+        """"int8" / "int4" for a checkpoint tensor that a projection is quantized from."""
+        module = self._module_of.get(name)
+        if module is None:
+            return None
+        return "int8" if module is self._lm_head else self.method
+
+    def add(self, name: str, parts: Parts) -> None:
+        """Parts taken from the file as they are (int4 codes, scale, zero float32)."""
+        self.parts[name] = parts
+
+    def stream(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The same (name, tensor) pairs, each projection tensor quantized on its way; a
+        projection is installed after ``load_weights`` has copied its last tensor."""
+        for name, tensor in weights:
+            method = self.method_of(name)
+            if method is not None and name not in self.parts:
+                values = as_tensor(tensor).float()  # [N, K]: the checkpoint's values
+                self.parts[name] = (int8_quantize(values, self.dtype) if method == "int8"
+                                    else int4_quantize(values, self.group_size, self.dtype))
+                del values
+            yield name, tensor
+            if method is not None:
+                self._install_if_complete(self._module_of[name])
+
+    def _install_if_complete(self, module: Linear) -> None:
+        names = self._sources[module]
+        if not all(n in self.parts for n in names):
+            return
+        stacked = [torch.cat(p) for p in zip(*(self.parts.pop(n) for n in names))]
+        if stacked[0].shape != module.weight.shape:
+            raise ValueError(f"checkpoint tensors {names} stack to "
+                             f"{tuple(stacked[0].shape)}, not the projection's "
+                             f"{tuple(module.weight.shape)}")
+        if len(stacked) == 2:
+            module.quantized = Int8Weight(*stacked)
+        else:
+            module.quantized = Int4Weight.from_codes(*stacked, self.group_size, self.dtype)
+        if id(module.weight) not in self._shared:
+            module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+
+
+def _projection_sources(model: Any) -> dict[Linear, list[str]]:
+    """Every Linear -> the checkpoint tensors of its weight: its own name, or those of its
+    shards (packed_modules_mapping) for a fused one; the tied lm_head -> the embedding."""
+    inverse: dict[str, dict[str | int, str]] = {}
+    for checkpoint, (fused, shard) in model.packed_modules_mapping.items():
+        inverse.setdefault(fused, {})[shard] = checkpoint
+    sources = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        shards = getattr(module, "shard_ids", None)
+        if module is model.lm_head and model.tie_word_embeddings:
+            sources[module] = ["model.embed_tokens.weight"]
+        elif shards is None:
+            sources[module] = [f"{name}.weight"]
+        elif all(s in inverse.get(leaf, {}) for s in shards):
+            sources[module] = [f"{prefix}.{inverse[leaf][s]}.weight" for s in shards]
+    return sources
