@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -93,37 +94,65 @@ def attention(num_seqs: int, context: int, kv_dtype: str, iters: int) -> dict:
             "gb_per_s": round(kv_bytes / ms / 1e6, 1)}
 
 
-def kv_memory(model: str, budget: int, num_requests: int) -> dict:
-    gen = torch.Generator().manual_seed(0)
-    prompt_lens = torch.randint(32, 257, (num_requests,), generator=gen).tolist()
-    output_lens = torch.randint(64, 193, (num_requests,), generator=gen).tolist()
-    prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in prompt_lens]
-    report = {}
-    for kv_dtype in ("auto", "fp8", "int8"):
-        llm = LLM(model, dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_memory_bytes=budget,
-                  max_model_len=512, max_num_seqs=256, swap_space=0.0,
-                  preemption_mode="recompute")
-        engine = llm.llm_engine
-        for i, (p, n) in enumerate(zip(prompts, output_lens)):
-            engine.add_request(str(i), {"prompt_token_ids": p},
-                               SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-        peak, tokens, start = 0, 0, time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-            peak = max(peak, len(engine.scheduler.running))
-        elapsed = time.perf_counter() - start
-        tokens = sum(output_lens)
-        report[kv_dtype] = {"num_blocks": engine.num_gpu_blocks, "peak_concurrency": peak,
-                            "output_tokens_per_s": round(tokens / elapsed, 1),
-                            "num_preemptions": engine.get_stats().num_preemptions,
-                            "elapsed_s": round(elapsed, 1)}
-        del llm, engine
-    auto = report["auto"]["peak_concurrency"]
-    for kv_dtype in ("fp8", "int8"):
-        report[kv_dtype]["concurrency_vs_auto"] = round(report[kv_dtype]["peak_concurrency"]
-                                                        / auto, 2)
+def kv_memory(model: str, budget: int, num_requests: int, seeds: list[int]) -> dict:
+    """Per workload seed: each kv_cache_dtype's peak concurrency on the budget, and the ratio
+    to auto's. Prompt lengths are drawn per seed, so each seed admits a different first set
+    of prompts: with first-come-first-served admission the peak is set by how many of the
+    first prompts' blocks fit, a step function of the pool (``fit_in_arrival_order``)."""
+    runs = []
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        prompt_lens = torch.randint(32, 257, (num_requests,), generator=gen).tolist()
+        output_lens = torch.randint(64, 193, (num_requests,), generator=gen).tolist()
+        prompts = [torch.randint(3, 30000, (n,), generator=gen).tolist() for n in prompt_lens]
+        report = {}
+        for kv_dtype in ("auto", "fp8", "int8"):
+            print(f"kv-memory: seed {seed}, kv_cache_dtype={kv_dtype}", file=sys.stderr,
+                  flush=True)
+            llm = LLM(model, dtype="bfloat16", kv_cache_dtype=kv_dtype,
+                      kv_cache_memory_bytes=budget, max_model_len=512, max_num_seqs=256,
+                      swap_space=0.0, preemption_mode="recompute")
+            engine = llm.llm_engine
+            for i, (p, n) in enumerate(zip(prompts, output_lens)):
+                engine.add_request(str(i), {"prompt_token_ids": p},
+                                   SamplingParams(max_tokens=n, temperature=0.0,
+                                                  ignore_eos=True))
+            peak, start = 0, time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+                peak = max(peak, len(engine.scheduler.running))
+            elapsed = time.perf_counter() - start
+            blocks = engine.num_gpu_blocks
+            report[kv_dtype] = {
+                "num_blocks": blocks, "peak_concurrency": peak,
+                "fit_in_arrival_order": _fit_in_arrival_order(prompt_lens, blocks, engine),
+                "output_tokens_per_s": round(sum(output_lens) / elapsed, 1),
+                "num_preemptions": engine.get_stats().num_preemptions,
+                "elapsed_s": round(elapsed, 1)}
+            del llm, engine
+        auto = report["auto"]["peak_concurrency"]
+        for kv_dtype in ("fp8", "int8"):
+            report[kv_dtype]["concurrency_vs_auto"] = round(
+                report[kv_dtype]["peak_concurrency"] / auto, 2)
+        runs.append({"seed": seed, "output_tokens": sum(output_lens), "results": report})
+    ratios = [run["results"]["int8"]["concurrency_vs_auto"] for run in runs]
     return {"model": model, "kv_cache_memory_bytes": budget, "requests": num_requests,
-            "results": report}
+            "runs": runs, "int8_concurrency_vs_auto": {
+                "per_seed": ratios, "mean": round(statistics.mean(ratios), 3),
+                "min": min(ratios), "max": max(ratios)}}
+
+
+def _fit_in_arrival_order(prompt_lens: list[int], blocks: int, engine) -> int:
+    """How many of the first prompts fit the pool at once (their blocks, the watermark kept
+    free): the most that can run together before any has finished."""
+    free = blocks - int(engine.args.watermark * blocks)
+    count = 0
+    for n in prompt_lens:
+        free -= -(-n // engine.args.block_size)
+        if free < 0:
+            break
+        count += 1
+    return count
 
 
 def weights(models: dict[str, str], new_tokens: int, group_size: int) -> dict:
@@ -157,6 +186,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--budget", type=int, default=48 << 20, help="KV bytes (kv-memory)")
     parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="workload seeds (kv-memory)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.mode == "quality":
@@ -166,7 +196,8 @@ def main() -> None:
         result = {"runs": [attention(n, 512, d, args.iters) for n in (64, 128)
                            for d in KV_DTYPES]}
     elif args.mode == "kv-memory":
-        result = kv_memory(args.model or resolve_model("small"), args.budget, args.requests)
+        result = kv_memory(args.model or resolve_model("small"), args.budget, args.requests,
+                           [int(seed) for seed in args.seeds.split(",")])
     else:
         result = weights({"small": resolve_model("small"), "smollm2-gguf": default_gguf()},
                          args.new_tokens, args.group_size)
