@@ -95,8 +95,8 @@ class LlamaCpp:
         per_seq = PROMPT_LEN + new_tokens
         cparams = lc.llama_context_default_params()
         # n_ctx is the whole cache (every sequence's cells in the unified buffer; split: n_ctx /
-        # n_seq_max each), rounded up to llama.cpp's padding of 256.
-        cparams.n_ctx = -(-max_batch * per_seq // 256) * 256
+        # n_seq_max each): per sequence, its tokens rounded up to llama.cpp's padding of 256.
+        cparams.n_ctx = max_batch * (-(-per_seq // 256) * 256)
         cparams.n_batch = cparams.n_ubatch = max(max_batch * PROMPT_LEN, 512)
         cparams.n_seq_max = max_batch
         cparams.n_threads = cparams.n_threads_batch = threads
