@@ -51,6 +51,9 @@ def _matmul_path(model: nn.Module | None) -> str:
     if not torch.backends.mkldnn.is_available():
         return "torch F.linear (torch built without oneDNN)"
     if model is None:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return ("oneDNN with packed weights (checked per layer at load) for float32; "
+                    "bfloat16 on F.linear (this CPU lacks oneDNN's bfloat16 path)")
         return "oneDNN with packed weights (checked per layer at load)"
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     packed = sum(m.packed_weight is not None for m in linears)

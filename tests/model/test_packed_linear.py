@@ -14,6 +14,16 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                   reason="torch built without oneDNN")
 
 
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs this dtype here: bfloat16 needs its bfloat16 path (AVX-512BW/VL/DQ
+    or AVX-NE-CONVERT); on an AVX2-only CPU those layers stay on F.linear."""
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+# the model dtype of the loading tests: bfloat16 where it packs, else float32
+PACKED_DTYPE = torch.bfloat16 if packs(torch.bfloat16) else torch.float32
+
+
 def linear(in_features: int, out_features: int, dtype: torch.dtype, bias: bool) -> Linear:
     gen = torch.Generator().manual_seed(in_features * out_features)
     layer = Linear(in_features, out_features, bias=bias)
@@ -31,8 +41,12 @@ def linear(in_features: int, out_features: int, dtype: torch.dtype, bias: bool) 
 def test_packed_linear_matches_f_linear(dtype, bias, shape):
     layer = linear(*shape, dtype, bias)
     weight = layer.weight.detach().clone()
-    assert layer.pack()
-    assert layer.weight.numel() == 0  # the plain copy is released
+    assert layer.pack() == packs(dtype)
+    if packs(dtype):
+        assert layer.weight.numel() == 0  # the plain copy is released
+    else:  # the probe failed: F.linear on the plain weight, which is kept
+        assert layer.packed_weight is None and layer.pack_failure
+        torch.testing.assert_close(layer.weight, weight, atol=0, rtol=0)
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 3, 8, 64, 129):
         x = torch.randn(rows, shape[0], generator=gen).to(dtype)
@@ -60,13 +74,13 @@ def test_layers_that_cannot_be_packed_stay_plain():
 
 @needs_onednn
 def test_merged_layer_packs_after_its_shards_load():
-    layer = MergedLinear(16, [8, 8]).to(torch.bfloat16)
-    gate, up = torch.randn(8, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    layer = MergedLinear(16, [8, 8]).to(PACKED_DTYPE)
+    gate, up = torch.randn(8, 16).to(PACKED_DTYPE), torch.randn(8, 16).to(PACKED_DTYPE)
     layer.weight_loader(layer.weight, gate, 0)
     layer.weight_loader(layer.weight, up, 1)
     assert layer.pack(keep_weight=True)
     assert layer.weight.shape == (16, 16)  # kept
-    x = torch.randn(4, 16).bfloat16()
+    x = torch.randn(4, 16).to(PACKED_DTYPE)
     torch.testing.assert_close(layer(x), F.linear(x, torch.cat([gate, up])), atol=1e-2,
                                rtol=1e-2)
 
@@ -76,7 +90,7 @@ def test_merged_layer_packs_after_its_shards_load():
                                                 ("Qwen2ForCausalLM", True)])
 def test_load_model_packs_on_the_cpu(tmp_path, architecture, tied):
     path = make_tiny_model(tmp_path, architecture, seed=3, tie_word_embeddings=tied)
-    model, _ = load_model(path, dtype=torch.bfloat16)
+    model, _ = load_model(path, dtype=PACKED_DTYPE)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None for m in linears)
     assert model.tie_word_embeddings == tied
@@ -85,7 +99,7 @@ def test_load_model_packs_on_the_cpu(tmp_path, architecture, tied):
         assert (m.weight.numel() > 0) == kept
     if tied:
         assert model.lm_head.weight is model.model.embed_tokens.weight
-    plain, _ = load_model(path, dtype=torch.bfloat16, pack_weights=False)
+    plain, _ = load_model(path, dtype=PACKED_DTYPE, pack_weights=False)
     assert all(m.packed_weight is None for m in plain.modules() if isinstance(m, Linear))
     tokens = torch.tensor([1, 5, 9])
     hidden = model.model.embed_tokens(tokens)
