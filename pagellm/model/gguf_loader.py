@@ -17,6 +17,8 @@ layout. Qwen2 and Qwen3 files are written without the reordering.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,8 +215,27 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
 
 def get_gguf_tokenizer(path: str | Path, **kwargs: Any) -> Any:
     """The tokenizer and chat template stored in the file, converted by transformers
-    (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``)."""
+    (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``).
+
+    The conversion parses the file's metadata again and builds the vocabulary (about 10 s on
+    a 2-core machine for SmolLM2), so it runs once per file version and keyword set; each
+    caller gets its own copy (tokenizers are mutable: special tokens can be added)."""
+    path = Path(path).expanduser().resolve()
+    stat = path.stat()
+    key = tuple(sorted(kwargs.items()))
+    try:
+        hash(key)
+    except TypeError:  # unhashable options: convert afresh
+        return _convert_tokenizer(str(path), stat.st_mtime_ns, stat.st_size, key)
+    return copy.deepcopy(_cached_tokenizer(str(path), stat.st_mtime_ns, stat.st_size, key))
+
+
+def _convert_tokenizer(path: str, mtime_ns: int, size: int,
+                       options: tuple[tuple[str, Any], ...]) -> Any:
     from transformers import AutoTokenizer
 
-    path = Path(path).expanduser()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+    file = Path(path)
+    return AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name, **dict(options))
+
+
+_cached_tokenizer = functools.lru_cache(maxsize=2)(_convert_tokenizer)
