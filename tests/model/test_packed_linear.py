@@ -62,6 +62,25 @@ def test_packed_linear_matches_f_linear(dtype, bias, shape):
                                atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_without_onednn_bfloat16_runs_in_float32(monkeypatch, bias):
+    """Where oneDNN has no bfloat16 path (AVX2-only CPUs; forced here), a bfloat16 layer stays
+    unpacked and computes 2 or more rows in float32, rounded once: exactly the float32 matmul
+    of the bfloat16 values; one row stays on the bfloat16 F.linear."""
+    from pagellm.model.layers import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "_onednn_has_bfloat16", lambda: False)
+    layer = linear(96, 80, torch.bfloat16, bias)
+    assert not layer.pack() and layer.upcast and "bfloat16" in layer.pack_failure
+    weight = layer.weight
+    bias_f = None if layer.bias is None else layer.bias.float()
+    x = torch.randn(5, 96).bfloat16()
+    expected = F.linear(x.float(), weight.float(), bias_f).bfloat16()
+    assert torch.equal(layer(x), expected)
+    one = x[:1]
+    assert torch.equal(layer(one), F.linear(one, weight, layer.bias))
+
+
 def test_layers_that_cannot_be_packed_stay_plain():
     half = linear(32, 16, torch.float16, bias=False)
     packed = half.pack()  # float16 is packed nowhere: torch's CPU matmul handles it

@@ -11,7 +11,8 @@ oneDNN's blocked format once (torch's own bfloat16 matmul runs the same oneDNN k
 reorders the weight on every call; its float32 matmul goes to MKL): 1.05-2x faster in bfloat16
 (the same output bits on the AVX-512 CPUs measured; oneDNN may pick other kernels, and another
 summation order, on other CPUs), 1.1-3.7x in float32, by number of rows (docs/BENCHMARKS.md,
-"Packed weights").
+"Packed weights"). Where oneDNN has no bfloat16 path (CPUs without AVX-512 or AVX-NE-CONVERT),
+bfloat16 layers stay unpacked and run matmuls of 2 or more rows in float32 (Linear.pack).
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, set by pack()
         self.pack_failure: str | None = None  # why pack() could not, when it tried
+        # bfloat16 where oneDNN has no bfloat16 path (pack()): matmuls of 2+ rows in float32
+        self.upcast = False
         # int8/int4 weight-only (quantized_linear.py), set after loading; replaces the weight
         self.quantized: nn.Module | None = None
 
@@ -82,6 +85,9 @@ class Linear(nn.Module):
             return out if self.bias is None else out + self.bias
         if self.packed_weight is not None:
             return _packed_linear(x, self.packed_weight, self.bias)
+        if self.upcast and x.numel() > self.in_features:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
     def pack(self, keep_weight: bool = False) -> bool:
@@ -98,6 +104,15 @@ class Linear(nn.Module):
         weight = self.weight
         if (weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES
                 or not torch.backends.mkldnn.is_available()):
+            return False
+        if weight.dtype == torch.bfloat16 and not _onednn_has_bfloat16():
+            # torch's bfloat16 matmul then takes a path that costs each row a pass over the
+            # weight (~7x float32's time at 64 rows on an AVX2 EPYC); converting the weight to
+            # float32 per call and rounding the float32 sums once is the same arithmetic
+            self.upcast = True
+            self.pack_failure = ("oneDNN has no bfloat16 path on this CPU (it needs AVX-512BW/"
+                                 "VL/DQ or AVX-NE-CONVERT): bfloat16 projections of 2 or more "
+                                 "rows run in float32")
             return False
         try:
             packed = _reorder_weight(weight.detach())
@@ -116,6 +131,10 @@ class Linear(nn.Module):
         return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
                 + (", packed" if self.packed_weight is not None else "")
                 + (f", {type(self.quantized).__name__}" if self.quantized is not None else ""))
+
+
+def _onednn_has_bfloat16() -> bool:
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _reorder_weight(weight: torch.Tensor) -> torch.Tensor:
