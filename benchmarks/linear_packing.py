@@ -8,7 +8,9 @@ Workload (seed 0): the five weight shapes of the ~125M "small" Llama (q/k/v 1280
 o 768 x 768, gate/up 4096 x 768, down 768 x 2048, lm_head 32000 x 768), random N(0, 0.02)
 weights, inputs of ``rows`` rows. For each dtype and row count: GFLOP/s over the five shapes
 (2 x rows x out x in per shape, summed, over the summed median times), plain and packed, and
-whether the packed outputs equal F.linear's bit for bit.
+whether the packed outputs equal F.linear's bit for bit. Where oneDNN has no bfloat16 path
+(AVX2-only CPUs) the bfloat16 "packed" column is the layer's own path there, float32 matmuls
+from 4 rows up (``layer_path``).
 """
 from __future__ import annotations
 
@@ -61,10 +63,12 @@ def main() -> None:
                 layer.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.02)
             layer = layer.to(dtype)
             weight = layer.weight.detach().clone()
-            if not layer.pack():
-                raise SystemExit(f"{name} weights cannot be packed here (no oneDNN support)")
+            if not layer.pack() and not layer.upcast:
+                raise SystemExit(f"{name} weights cannot be packed here: {layer.pack_failure}")
             layers.append((layer, weight))
-        results += [measure(dtype, int(rows), layers, args.iters)
+        # where oneDNN has no bfloat16 path the layer stays unpacked and computes in float32
+        path = "float32 from 4 rows" if layers[0][0].upcast else "packed"
+        results += [dict(measure(dtype, int(rows), layers, args.iters), layer_path=path)
                     for rows in args.rows.split(",")]
     print(json.dumps({"threads": args.threads, "torch": torch.__version__,
                       "cpu": platform.processor() or platform.machine(),

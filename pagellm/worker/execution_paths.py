@@ -53,7 +53,7 @@ def _matmul_path(model: nn.Module | None) -> str:
     if model is None:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return ("oneDNN with packed weights (checked per layer at load) for float32; "
-                    "bfloat16 on F.linear, in float32 from 2 rows up (this CPU lacks oneDNN's "
+                    "bfloat16 on F.linear, in float32 from 4 rows up (this CPU lacks oneDNN's "
                     "bfloat16 path)")
         return "oneDNN with packed weights (checked per layer at load)"
     linears = [m for m in model.modules() if isinstance(m, Linear)]

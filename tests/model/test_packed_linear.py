@@ -65,20 +65,29 @@ def test_packed_linear_matches_f_linear(dtype, bias, shape):
 @pytest.mark.parametrize("bias", [False, True])
 def test_bfloat16_without_onednn_bfloat16_runs_in_float32(monkeypatch, bias):
     """Where oneDNN has no bfloat16 path (AVX2-only CPUs; forced here), a bfloat16 layer stays
-    unpacked and computes 2 or more rows in float32, rounded once: exactly the float32 matmul
-    of the bfloat16 values; one row stays on the bfloat16 F.linear."""
+    unpacked and computes 4 or more rows in float32, the weight converted a chunk of rows at a
+    time (here 128 rows: 3 chunks), rounded once: the float32 matmul of the bfloat16 values up
+    to the order of the float32 sums; fewer rows stay on the bfloat16 F.linear."""
     from pagellm.model.layers import linear as linear_module
 
     monkeypatch.setattr(linear_module, "_onednn_has_bfloat16", lambda: False)
-    layer = linear(96, 80, torch.bfloat16, bias)
+    layer = linear(2048, 300, torch.bfloat16, bias)
     assert not layer.pack() and layer.upcast and "bfloat16" in layer.pack_failure
     weight = layer.weight
     bias_f = None if layer.bias is None else layer.bias.float()
-    x = torch.randn(5, 96).bfloat16()
-    expected = F.linear(x.float(), weight.float(), bias_f).bfloat16()
-    assert torch.equal(layer(x), expected)
-    one = x[:1]
-    assert torch.equal(layer(one), F.linear(one, weight, layer.bias))
+    gen = torch.Generator().manual_seed(2)
+    for rows in (4, 9):
+        x = torch.randn(rows, 2048, generator=gen).bfloat16()
+        exact = F.linear(x.double(), weight.double(),
+                         None if bias_f is None else bias_f.double())
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+        # one rounding to bfloat16 of a float32 sum: within a bfloat16 step of the exact value
+        torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=1e-4)
+        torch.testing.assert_close(got, F.linear(x.float(), weight.float(), bias_f).bfloat16(),
+                                   rtol=2 ** -7, atol=1e-4)
+    few = torch.randn(3, 2048, generator=gen).bfloat16()
+    assert torch.equal(layer(few), F.linear(few, weight, layer.bias))
 
 
 def test_layers_that_cannot_be_packed_stay_plain():

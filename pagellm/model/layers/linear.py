@@ -12,7 +12,7 @@ reorders the weight on every call; its float32 matmul goes to MKL): 1.05-2x fast
 (the same output bits on the AVX-512 CPUs measured; oneDNN may pick other kernels, and another
 summation order, on other CPUs), 1.1-3.7x in float32, by number of rows (docs/BENCHMARKS.md,
 "Packed weights"). Where oneDNN has no bfloat16 path (CPUs without AVX-512 or AVX-NE-CONVERT),
-bfloat16 layers stay unpacked and run matmuls of 2 or more rows in float32 (Linear.pack).
+bfloat16 layers stay unpacked and run matmuls of 4 or more rows in float32 (Linear.pack).
 """
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ from pagellm.distributed.parallel_state import current_group
 
 logger = logging.getLogger("pagellm")
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# bfloat16 without oneDNN's bfloat16 path: from this many rows float32 matmuls are faster
+# (AVX2 EPYC, the small model's projections: 19.5 against 24.9 ms at 4 rows, 16.3 against
+# 13.2 at 2)
+_UPCAST_ROWS = 4
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -69,7 +73,7 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, set by pack()
         self.pack_failure: str | None = None  # why pack() could not, when it tried
-        # bfloat16 where oneDNN has no bfloat16 path (pack()): matmuls of 2+ rows in float32
+        # bfloat16 where oneDNN has no bfloat16 path (pack()): matmuls of 4+ rows in float32
         self.upcast = False
         # int8/int4 weight-only (quantized_linear.py), set after loading; replaces the weight
         self.quantized: nn.Module | None = None
@@ -85,10 +89,23 @@ class Linear(nn.Module):
             return out if self.bias is None else out + self.bias
         if self.packed_weight is not None:
             return _packed_linear(x, self.packed_weight, self.bias)
-        if self.upcast and x.numel() > self.in_features:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        if self.upcast and x.numel() >= _UPCAST_ROWS * self.in_features:
+            return self._float32_linear(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _float32_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """F.linear of the bfloat16 values in float32, rounded once (as bfloat16 matmuls
+        round): the weight converted ~1 MB of float32 at a time, so that the converted rows
+        are read back from the cache, not from memory (a whole-weight conversion cost more
+        than the matmul for a 32000-row lm_head)."""
+        chunk = max(16, (1 << 18) // self.in_features)
+        xt = x.reshape(-1, self.in_features).float().t()  # [in_features, rows]
+        out = torch.empty(self.out_features, xt.shape[1])
+        for start in range(0, self.out_features, chunk):
+            torch.mm(self.weight[start:start + chunk].float(), xt, out=out[start:start + chunk])
+        if self.bias is not None:
+            out += self.bias.float()[:, None]
+        return out.t().to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def pack(self, keep_weight: bool = False) -> bool:
         """Re-lay the loaded weight out for oneDNN's CPU GEMM; False where that is unavailable.
@@ -107,12 +124,13 @@ class Linear(nn.Module):
             return False
         if weight.dtype == torch.bfloat16 and not _onednn_has_bfloat16():
             # torch's bfloat16 matmul then takes a path that costs each row a pass over the
-            # weight (~7x float32's time at 64 rows on an AVX2 EPYC); converting the weight to
-            # float32 per call and rounding the float32 sums once is the same arithmetic
+            # weight (5x the float32 route's time at 64 rows on an AVX2 EPYC); converting the
+            # weight to float32 per call and rounding the float32 sums once is the same
+            # arithmetic (_float32_linear)
             self.upcast = True
             self.pack_failure = ("oneDNN has no bfloat16 path on this CPU (it needs AVX-512BW/"
-                                 "VL/DQ or AVX-NE-CONVERT): bfloat16 projections of 2 or more "
-                                 "rows run in float32")
+                                 f"VL/DQ or AVX-NE-CONVERT): bfloat16 projections of "
+                                 f"{_UPCAST_ROWS} or more rows run in float32")
             return False
         try:
             packed = _reorder_weight(weight.detach())
