@@ -87,13 +87,17 @@ class Linear(nn.Module):
         if self.quantized is not None:
             out = self.quantized(x)
             return out if self.bias is None else out + self.bias
-        if self.packed_weight is not None:
-            return _packed_linear(x, self.packed_weight, self.bias)
-        if self.upcast and x.numel() >= _UPCAST_ROWS * self.in_features:
-            return self._float32_linear(x)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
-    def _float32_linear(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T + bias through the path chosen at load: packed, float32 (upcast) or plain."""
+        if self.packed_weight is not None:
+            return _packed_linear(x, self.packed_weight, bias)
+        if self.upcast and x.numel() >= _UPCAST_ROWS * self.in_features:
+            return self._float32_linear(x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def _float32_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear of the bfloat16 values in float32, rounded once (as bfloat16 matmuls
         round): the weight converted ~1 MB of float32 at a time, so that the converted rows
         are read back from the cache, not from memory (a whole-weight conversion cost more
@@ -103,8 +107,8 @@ class Linear(nn.Module):
         out = torch.empty(self.out_features, xt.shape[1])
         for start in range(0, self.out_features, chunk):
             torch.mm(self.weight[start:start + chunk].float(), xt, out=out[start:start + chunk])
-        if self.bias is not None:
-            out += self.bias.float()[:, None]
+        if bias is not None:
+            out += bias.float()[:, None]
         return out.t().to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def pack(self, keep_weight: bool = False) -> bool:

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.parallel_state import current_group
-from pagellm.model.layers.linear import (Linear, _packed_linear, default_weight_loader,
-                                         narrow_loaded)
+from pagellm.model.layers.linear import Linear, default_weight_loader, narrow_loaded
 
 
 def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int, int]:
@@ -62,11 +61,7 @@ class RowParallelLinear(Linear):
         if self.tp.world_size == 1:
             return super().forward(x)
         # x: [num_tokens, in_features / ranks] -> partial [num_tokens, out_features]
-        if self.packed_weight is not None:
-            partial = _packed_linear(x, self.packed_weight, None)
-        else:
-            partial = F.linear(x, self.weight)
-        out = self.tp.all_reduce(partial)
+        out = self.tp.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
 
