@@ -63,7 +63,7 @@ def test_packed_linear_matches_f_linear(dtype, bias, shape):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_without_onednn_bfloat16_runs_in_float32(monkeypatch, bias):
+def test_bfloat16_without_onednn_bfloat16_runs_in_float32(monkeypatch, caplog, bias):
     """Where oneDNN has no bfloat16 path (AVX2-only CPUs; forced here), a bfloat16 layer stays
     unpacked and computes 4 or more rows in float32, the weight converted a chunk of rows at a
     time (here 128 rows: 3 chunks), rounded once: the float32 matmul of the bfloat16 values up
@@ -88,6 +88,12 @@ def test_bfloat16_without_onednn_bfloat16_runs_in_float32(monkeypatch, bias):
                                    rtol=2 ** -7, atol=1e-4)
     few = torch.randn(3, 2048, generator=gen).bfloat16()
     assert torch.equal(layer(few), F.linear(few, weight, layer.bias))
+    # at load: said once at INFO (expected on such CPUs), no warning
+    with caplog.at_level("INFO", logger="pagellm"):
+        linear_module.pack_linear_weights(torch.nn.Sequential(linear(64, 32, torch.bfloat16,
+                                                                     bias)))
+    assert caplog.text.count("stay unpacked") == 1
+    assert all(record.levelname == "INFO" for record in caplog.records)
 
 
 def test_layers_that_cannot_be_packed_stay_plain():
