@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_models import CHAT_QUESTIONS, SharedWeightsEngines, hf_greedy_until, smollm2_gguf
+from gguf_models import (CHAT_QUESTIONS, SharedWeightsEngines, hf_greedy_until, smollm2_gguf,
+                         write_tiny_gguf)
 
 from pagellm import SamplingParams
 
@@ -76,6 +77,28 @@ def test_tokenizer_matches_transformers_and_the_file(llm_f32, smollm2_hf, smollm
     vocab = open_reader(smollm2_path).fields["tokenizer.ggml.tokens"].contents()
     assert ours.convert_ids_to_tokens(list(range(len(vocab)))) == vocab
     assert ours.eos_token == "<|im_end|>" and "<|im_start|>" in ours.chat_template
+
+
+def test_one_metadata_parse_per_file_and_a_tokenizer_copy_per_caller(smollm2_path, tmp_path):
+    """The reader is shared while the file is unchanged; each tokenizer is a copy of one
+    conversion, so adding tokens to one leaves the others as they were."""
+    from pagellm.model.gguf_config import open_reader
+    from pagellm.model.gguf_loader import get_gguf_tokenizer
+
+    assert open_reader(smollm2_path) is open_reader(str(smollm2_path))
+    first, second = get_gguf_tokenizer(smollm2_path), get_gguf_tokenizer(smollm2_path)
+    assert first is not second and first.encode(MIXED_TEXT) == second.encode(MIXED_TEXT)
+    first.add_special_tokens({"additional_special_tokens": ["<|only_in_first|>"]})
+    assert len(first) == len(second) + 1
+    assert len(get_gguf_tokenizer(smollm2_path)) == len(second)
+    # a file rewritten in place (another mtime and size) gets a reader of its own
+    path, _ = write_tiny_gguf(tmp_path, "Q4_0", name="rewritten.gguf")
+    before = open_reader(path)
+    assert open_reader(path) is before
+    write_tiny_gguf(tmp_path, "Q8_0", name="rewritten.gguf")
+    after = open_reader(path)
+    assert after is not before
+    assert {t.tensor_type.name for t in after.tensors} == {"Q8_0", "F32"}
 
 
 def test_weights_match_transformers(smollm2_path, smollm2_hf):
