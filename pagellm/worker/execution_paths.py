@@ -16,6 +16,7 @@ from torch import nn
 from pagellm import native
 from pagellm.attention import cpu_kernel
 from pagellm.model.layers import Linear, cpu_ops
+from pagellm.model.layers.linear import onednn_has_bfloat16
 
 _NOTABLE_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile",
                       "asimd", "sve", "bf16")
@@ -51,7 +52,7 @@ def _matmul_path(model: nn.Module | None) -> str:
     if not torch.backends.mkldnn.is_available():
         return "torch F.linear (torch built without oneDNN)"
     if model is None:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if not onednn_has_bfloat16():
             return ("oneDNN with packed weights (checked per layer at load) for float32; "
                     "bfloat16 on F.linear, in float32 from 4 rows up (this CPU lacks oneDNN's "
                     "bfloat16 path)")

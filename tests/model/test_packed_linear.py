@@ -70,7 +70,7 @@ def test_bfloat16_without_onednn_bfloat16_runs_in_float32(monkeypatch, caplog, b
     to the order of the float32 sums; fewer rows stay on the bfloat16 F.linear."""
     from pagellm.model.layers import linear as linear_module
 
-    monkeypatch.setattr(linear_module, "_onednn_has_bfloat16", lambda: False)
+    monkeypatch.setattr(linear_module, "onednn_has_bfloat16", lambda: False)
     layer = linear(2048, 300, torch.bfloat16, bias)
     assert not layer.pack() and layer.upcast and "bfloat16" in layer.pack_failure
     weight = layer.weight

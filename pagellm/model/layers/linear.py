@@ -126,7 +126,7 @@ class Linear(nn.Module):
         if (weight.device.type != "cpu" or weight.dtype not in _PACKABLE_DTYPES
                 or not torch.backends.mkldnn.is_available()):
             return False
-        if weight.dtype == torch.bfloat16 and not _onednn_has_bfloat16():
+        if weight.dtype == torch.bfloat16 and not onednn_has_bfloat16():
             # torch's bfloat16 matmul then takes a path that costs each row a pass over the
             # weight (5x the float32 route's time at 64 rows on an AVX2 EPYC); converting the
             # weight to float32 per call and rounding the float32 sums once is the same
@@ -155,7 +155,8 @@ class Linear(nn.Module):
                 + (f", {type(self.quantized).__name__}" if self.quantized is not None else ""))
 
 
-def _onednn_has_bfloat16() -> bool:
+def onednn_has_bfloat16() -> bool:
+    """Whether oneDNN has a bfloat16 matmul on this CPU (AVX-512BW/VL/DQ or AVX-NE-CONVERT)."""
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
