@@ -92,7 +92,7 @@ class QuantizingLoad:
         if len(stacked) == 2:
             module.quantized = Int8Weight(*stacked)
         else:
-            module.quantized = Int4Weight.from_codes(*stacked, self.group_size, self.dtype)
+            module.quantized = Int4Weight(*stacked, self.group_size, self.dtype)
         if id(module.weight) not in self._shared:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from pagellm import native
 from pagellm.attention import cpu_kernel
-from pagellm.model.layers import Linear, cpu_ops
+from pagellm.model.layers import Linear, cpu_ops, quant_matmul
 from pagellm.model.layers.linear import onednn_has_bfloat16
 
 _NOTABLE_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile",
@@ -43,6 +43,7 @@ def describe_paths(model: nn.Module | None = None, device: str = "cpu") -> dict[
         "decode attention": cpu_kernel.describe(),
         "prefill attention": "torch scaled_dot_product_attention, one call per sequence",
         "matmul": _matmul_path(model),
+        "quantized matmul": quant_matmul.describe(),
         "layer ops": (f"compiled: {', '.join(ops)}" if ops else
                       f"torch ops ({native.status().get(cpu_ops.WHAT, 'no op verified')})"),
     }
@@ -58,6 +59,9 @@ def _matmul_path(model: nn.Module | None) -> str:
                     "bfloat16 path)")
         return "oneDNN with packed weights (checked per layer at load)"
     linears = [m for m in model.modules() if isinstance(m, Linear)]
+    quantized = sum(m.quantized is not None for m in linears)
+    if quantized:
+        return f"weight-only int8/int4 for {quantized} of {len(linears)} projections"
     packed = sum(m.packed_weight is not None for m in linears)
     if packed == len(linears):
         return f"oneDNN with packed weights (all {packed} projections)"

@@ -58,7 +58,7 @@ def test_q4_k_blocks_are_int4_groups_of_32(q4_k_file, dtype):
         codes, scale, zero = int4_codes(tensor)
         assert codes.shape == expected.shape and scale.shape == (codes.shape[0],
                                                                  codes.shape[1] // 32)
-        layer = Int4Weight.from_codes(codes, scale, zero, 32, dtype)
+        layer = Int4Weight(codes, scale, zero, 32, dtype)
         if dtype == torch.float32:
             np.testing.assert_array_equal(layer.dequantized().numpy(), expected)
         else:
@@ -176,8 +176,8 @@ def test_smollm2_int4_takes_every_projection_from_the_file():
             assert tensors[f"blk.{i}.{parts[0][0]}.weight"].tensor_type.name == "Q4_1"
             q, scale, zero = (torch.cat(p) for p in
                               zip(*(codes(f"blk.{i}.{n}.weight", h) for n, h in parts)))
-            direct = Int4Weight.from_codes(q, scale, zero, 32, torch.bfloat16)
-            assert torch.equal(module.quantized._q, q), (i, leaf)
+            direct = Int4Weight(q, scale, zero, 32, torch.bfloat16)
+            assert torch.equal(module.quantized.codes(), q), (i, leaf)
             assert torch.equal(module.quantized.scale_and_zero, direct.scale_and_zero), (i, leaf)
     assert config.tie_word_embeddings and tensors["token_embd.weight"].tensor_type.name == "Q8_0"
     embedding = gguf.quants.dequantize(tensors["token_embd.weight"].data,

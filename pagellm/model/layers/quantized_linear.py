@@ -1,40 +1,63 @@
-"""Weight-only quantized linear layers on the CPU, through torch's own kernels.
+"""Weight-only quantized linear layers on the CPU.
 
-- ``int8``: one scale per output channel, ``W[n, k] = q[n, k] * scale[n]`` with q in
-  [-127, 127] (symmetric, scale = amax / 127); ``torch.ops.aten._weight_int8pack_mm``.
-- ``int4``: groups of ``group_size`` input columns, asymmetric, in torch's int4pack
-  convention ``W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]`` (g = k // group_size,
-  q in [0, 15]); ``torch.ops.aten._convert_weight_to_int4pack_for_cpu`` packs q once,
-  ``_weight_int4pack_mm_for_cpu`` multiplies.
+- ``int8``: ``W[n, k] = q[n, k] * scale[n]`` with q in [-127, 127] (symmetric, scale =
+  amax / 127), one scale per output channel; or one per group of ``group_size`` input
+  columns (``scale[n, g]``, g = k // group_size), as GGUF's Q8_0 blocks are.
+- ``int4``: groups of ``group_size`` input columns, asymmetric,
+  ``W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]`` with q in [0, 15].
 
 Both read a quarter (int4) or half (int8) of bfloat16's weight bytes per token, the lever on
 bandwidth-bound batch-1 decode. Activations stay in the model dtype (bfloat16 or float32);
-scales and zeros are stored in it too (the kernels' contract), so ``dequantized()`` — the
-reference the tests compare against — is computed from the scales as stored.
+scales and zeros are stored in it too, so ``dequantized()`` — the reference the tests compare
+against — is computed from the scales as stored.
 
-GGUF blocks map onto int4 without a detour where the layouts match: Q4_0 (``d * (q - 8)``)
-and Q4_1 (``d * q + m``) over 32 columns, and each sub-block of 32 of a Q4_K super-block
-(``d * sc * q - dmin * m``), are int4 with group 32, scale d (d * sc) and zero 0, m + 8d
-(8 d sc - dmin m) (gguf_loader.int4_codes). Everything else is quantized while loading from
-the checkpoint's values in float32 (``int8_quantize`` / ``int4_quantize`` per checkpoint
-tensor, model/quantize_on_load.py), never from a copy already rounded to bfloat16;
+The products run in pagellm's compiled kernels (quant_matmul.py: float32 sums of the
+dequantized weights, AVX2 where the CPU has it), whose layout the codes are packed in at
+construction, where quant_matmul.preferred(). Elsewhere (no C compiler; CPUs with AVX-512)
+they run torch's weight-only kernels (``_weight_int8pack_mm``;
+``_weight_int4pack_mm_for_cpu`` on codes packed by ``_convert_weight_to_int4pack_for_cpu``,
+which needs out_features % 16 == 0); group-wise int8, which torch has no kernel for, runs
+compiled wherever it is built, else as a float32 matmul of the dequantized weight.
+
+GGUF blocks map onto these without a detour where the layouts match: Q8_0 (``d * q`` over 32
+columns) is int8 with group 32; Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) over 32
+columns, and each sub-block of 32 of a Q4_K super-block (``d * sc * q - dmin * m``), are int4
+with group 32, scale d (d * sc) and zero 0, m + 8d (8 d sc - dmin m)
+(gguf_loader.int4_codes). Everything else is quantized while loading from the checkpoint's
+values in float32 (``int8_quantize`` / ``int4_quantize`` per checkpoint tensor,
+model/quantize_on_load.py), never from a copy already rounded to bfloat16;
 ``quantize_linear_weights`` quantizes what is left from the loaded weight.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from pagellm.model.layers import quant_matmul
 
 QUANTIZATION_METHODS = ("int8", "int4")
 
 
 class Int8Weight(nn.Module):
-    """q [N, K] int8 and per-channel scale [N] in the activation dtype."""
+    """q [N, K] int8 and scale [N] (per output channel) or [N, K / group_size] (per group) in
+    the activation dtype."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor,
+                 group_size: int | None = None) -> None:
         super().__init__()
+        out_features, in_features = q.shape
+        self.group_size = group_size or in_features
+        if in_features % self.group_size or self.group_size % 8:
+            raise ValueError(f"int8 quantization: group_size={self.group_size} must be a "
+                             f"multiple of 8 dividing in_features={in_features}")
+        expected = (out_features,) if self.group_size == in_features else (
+            out_features, in_features // self.group_size)
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"int8 scales of shape {tuple(scale.shape)}, expected {expected}")
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scale", scale.contiguous())
+        self._matmul = quant_matmul.QuantizedMatmul("int8", self.q, self.scale, self.group_size)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Weight:
@@ -42,10 +65,16 @@ class Int8Weight(nn.Module):
         return cls(*int8_quantize(weight, dtype or weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
+        if self.scale.dim() == 1 and not quant_matmul.preferred():
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
+        if quant_matmul.available():
+            return self._matmul(x)
+        return F.linear(x.float(), self.dequantized()).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
-        return self.q.float() * self.scale.float()[:, None]
+        """[N, K] float32."""
+        scale = self.scale.float().view(self.q.shape[0], -1, 1)
+        return (self.q.float().view(*scale.shape[:2], -1) * scale).view(self.q.shape)
 
     @property
     def nbytes(self) -> int:
@@ -53,21 +82,38 @@ class Int8Weight(nn.Module):
 
 
 class Int4Weight(nn.Module):
-    """q packed by _convert_weight_to_int4pack_for_cpu ([N, K / 2] uint8), and
-    scale_and_zero [K / group_size, N, 2] in the activation dtype."""
+    """Codes packed for the kernel that runs them (``packed``) and scale_and_zero
+    [N, K / group_size, 2] in the activation dtype.
+
+    ``packed`` is quant_matmul.pack_int4's [N, K / 2] layout where the compiled kernels run,
+    else torch's int4pack (with the parameters also held in its [K / group_size, N, 2]
+    layout)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  group_size: int, dtype: torch.dtype) -> None:
         """q [N, K] integers in [0, 15]; scale, zero [N, K / group_size]."""
         super().__init__()
         out_features, in_features = q.shape
-        _check_group(in_features, group_size, out_features)
+        _check_group(in_features, group_size)
         self.group_size = group_size
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.to(torch.int32).contiguous(), 1))
-        self.register_buffer("scale_and_zero", torch.stack([scale, zero], -1).transpose(0, 1)
-                             .contiguous().to(dtype))  # [K / g, N, 2]
-        self._q = None  # unpacked codes, kept only for dequantized() in tests
+        self.register_buffer("scale_and_zero", torch.stack([scale, zero], -1).to(dtype)
+                             .contiguous())  # [N, K / g, 2]
+        self.compiled = quant_matmul.preferred()
+        self._q = None  # the codes as given, kept by the torch layout (dequantized, codes)
+        if self.compiled:
+            self.register_buffer("packed", quant_matmul.pack_int4(q))
+            self._matmul = quant_matmul.QuantizedMatmul("int4", self.packed,
+                                                        self.scale_and_zero, group_size)
+        else:
+            if out_features % 16:
+                raise ValueError(f"int4 quantization: out_features={out_features} must be a "
+                                 "multiple of 16 for torch's int4 kernel (the compiled kernels "
+                                 "are off); use quantization='int8'")
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.to(torch.int32).contiguous(), 1))
+            self.register_buffer("torch_scale_and_zero",
+                                 self.scale_and_zero.transpose(0, 1).contiguous())
+            self._q = q.to(torch.uint8)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, group_size: int,
@@ -75,30 +121,30 @@ class Int4Weight(nn.Module):
         """``dtype``: the activation dtype the scales and zeros are stored in (default: the
         weight's)."""
         dtype = dtype or weight.dtype
-        _check_group(weight.shape[1], group_size, weight.shape[0])
-        return cls.from_codes(*int4_quantize(weight, group_size, dtype), group_size, dtype)
-
-    @classmethod
-    def from_codes(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                   group_size: int, dtype: torch.dtype) -> Int4Weight:
-        layer = cls(q, scale, zero, group_size, dtype)
-        layer._q = q.to(torch.uint8)
-        return layer
+        _check_group(weight.shape[1], group_size)
+        return cls(*int4_quantize(weight, group_size, dtype), group_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compiled:
+            return self._matmul(x)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, self.group_size, self.scale_and_zero.to(x.dtype))
+            x, self.packed, self.group_size, self.torch_scale_and_zero.to(x.dtype))
+
+    def codes(self) -> torch.Tensor:
+        """[N, K] uint8 in [0, 15]."""
+        return quant_matmul.unpack_int4(self.packed) if self.compiled else self._q
 
     def dequantized(self) -> torch.Tensor:
         """[N, K] float32 from the codes and the stored (rounded) scales and zeros."""
-        out_features, in_features = self._q.shape
-        sz = self.scale_and_zero.float().transpose(0, 1)  # [N, K / g, 2]
-        q = self._q.float().view(out_features, -1, self.group_size)
+        q = self.codes().float()
+        out_features, in_features = q.shape
+        sz = self.scale_and_zero.float()  # [N, K / g, 2]
+        q = q.view(out_features, -1, self.group_size)
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(out_features, in_features)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale_and_zero.nbytes
+        return sum(b.nbytes for b in self.buffers())
 
 
 def int8_quantize(weight: torch.Tensor, dtype: torch.dtype
@@ -128,13 +174,10 @@ def int4_quantize(weight: torch.Tensor, group_size: int, dtype: torch.dtype
     return q.view(out_features, in_features).to(torch.uint8), scale, zero
 
 
-def _check_group(in_features: int, group_size: int, out_features: int | None = None) -> None:
+def _check_group(in_features: int, group_size: int) -> None:
     if group_size not in (32, 64, 128, 256) or in_features % group_size:
         raise ValueError(f"int4 quantization: group_size={group_size} must be one of 32, 64, "
                          f"128, 256 and divide in_features={in_features}")
-    if out_features is not None and out_features % 16:
-        raise ValueError(f"int4 quantization: out_features={out_features} must be a multiple "
-                         "of 16 (torch's int4 packing); use quantization='int8'")
 
 
 def check_supported(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
@@ -145,7 +188,7 @@ def check_supported(method: str | None, device: torch.device, dtype: torch.dtype
         raise ValueError(f"quantization={method!r} is not supported; supported: "
                          f"{', '.join(QUANTIZATION_METHODS)} (or None)")
     if device.type != "cpu":
-        raise ValueError(f"quantization={method!r} runs on the CPU only (torch's int8/int4 "
+        raise ValueError(f"quantization={method!r} runs on the CPU only (its int8/int4 "
                          f"weight-only kernels); device={device.type!r}: use device='cpu' "
                          "or quantization=None")
     if dtype not in (torch.bfloat16, torch.float32):

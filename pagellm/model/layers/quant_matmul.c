@@ -1,0 +1,347 @@
+/* Weight-only int4 / int8 matrix products for the CPU: out[M, N] = x[M, K] @ W[N, K]^T, with W
+ * held as small integers and group-wise float parameters, dequantized in registers.
+ *
+ * Why not torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm: on CPUs without AVX-512
+ * they run scalar code for float32 activations (2.5 ms for a 1536 x 576 projection of one row)
+ * and, for bfloat16, read the weight at ~2.4 GB/s; a batch-1 decode step is that read. Here
+ * each weight is widened once per tile of rows and used by every row of the tile from a
+ * register.
+ *
+ * Arithmetic: every weight is dequantized in float32 exactly as the layer's dequantized()
+ * reference computes it,
+ *     int4: w = (q - 8) * scale + zero,  q in [0, 15], scale and zero per (row, group)
+ *     int8: w = q * scale,               q in [-127, 127], scale per (row, group)
+ * and the products are summed in float32 (8 partial sums, one per vector lane, added at the
+ * end), then rounded once to the output dtype: the result is the float reference up to the
+ * order of float32 additions.
+ *
+ * Layouts (made by quantized_linear.py):
+ *   int4 codes [N, K / 2] uint8: in each run of 32 columns, byte j holds column j in its low
+ *        nibble and column j + 16 in its high nibble (as GGML's Q4 blocks), so that one
+ *        16-byte load and two masks give 32 codes in column order;
+ *   int4 params [N, K / group_size, 2] (scale, zero), float32 or bfloat16;
+ *   int8 codes [N, K] int8; params [N, K / group_size] scale, float32 or bfloat16.
+ * group_size is a multiple of 32 (int4) or of 8 (int8) and divides K.
+ *
+ * x and out are float32 or bfloat16 (x_bf16); bfloat16 x is widened into the caller's
+ * workspace (M * K floats) once per call. Rows are taken in tiles of up to TILE_ROWS; output
+ * columns are split across OpenMP threads (torch's, see pagellm/native.py).
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define QMM_AVX2 1
+#else
+#define QMM_AVX2 0
+#endif
+
+#define TILE_ROWS 4
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f32(bf16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return (bf16_t)((u >> 16) | 0x40); /* quiet NaN */
+  return (bf16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+typedef struct {
+  const void *x;          /* [M, K], row stride x_stride elements */
+  const void *codes;      /* int4: [N, K / 2] uint8; int8: [N, K] int8 */
+  const void *params;     /* int4: [N, K / group_size, 2]; int8: [N, K / group_size] */
+  void *out;              /* [M, N] contiguous, x's dtype */
+  float *workspace;       /* M * K floats (used when x is bfloat16) */
+  int64_t rows, out_features, in_features, group_size, x_stride, num_threads;
+  int32_t x_bf16, params_bf16;
+} qmm_args;
+
+static inline float param(const void *p, int64_t i, int bf16) {
+  return bf16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* The float32 rows of x: x itself, or its bfloat16 values widened into the workspace. */
+static const float *float_rows(const qmm_args *a, int64_t *stride) {
+  if (!a->x_bf16) {
+    *stride = a->x_stride;
+    return (const float *)a->x;
+  }
+  const bf16_t *x = (const bf16_t *)a->x;
+  const int64_t K = a->in_features;
+  for (int64_t m = 0; m < a->rows; m++)
+    for (int64_t k = 0; k < K; k++) a->workspace[m * K + k] = bf16_to_f32(x[m * a->x_stride + k]);
+  *stride = K;
+  return a->workspace;
+}
+
+/* For int4: each row's (-8 * group sum, group sum) pairs, [rows, 2 * groups], after the
+ * widened rows in the workspace; their dot product with a column's (scale, zero) pairs is
+ * the column's sum over groups of (zero - 8 scale) * (group sum of x). */
+static const float *group_sums(const qmm_args *a, const float *x, int64_t xs) {
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+  float *xw = a->workspace + (a->x_bf16 ? a->rows * K : 0);
+  for (int64_t m = 0; m < a->rows; m++)
+    for (int64_t g = 0; g < groups; g++) {
+      float sum = 0;
+      for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += x[m * xs + k];
+      xw[(m * groups + g) * 2] = -8.0f * sum;
+      xw[(m * groups + g) * 2 + 1] = sum;
+    }
+  return xw;
+}
+
+static inline void store(const qmm_args *a, int64_t m, int64_t n, float v) {
+  if (a->x_bf16)
+    ((bf16_t *)a->out)[m * a->out_features + n] = f32_to_bf16(v);
+  else
+    ((float *)a->out)[m * a->out_features + n] = v;
+}
+
+#if QMM_AVX2
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* 8 parameters from i on as floats (bfloat16 widened by a shift). */
+static inline __m256 load_params(const void *p, int64_t i, int bf16) {
+  if (!bf16) return _mm256_loadu_ps((const float *)p + i);
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16_t *)p + i)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+/* zsum[r] = sum over groups of (zero - 8 scale) * (group sum of row r of x): the dot product
+ * of column n's (scale, zero) pairs with the row's pairs from group_sums. */
+static inline void zero_terms(const qmm_args *a, const float *xw, int64_t groups, int64_t n,
+                              int T, float *zsum) {
+  const int64_t len = 2 * groups;
+  __m256 acc[TILE_ROWS];
+  for (int r = 0; r < T; r++) acc[r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256 p = load_params(a->params, n * len + i, a->params_bf16);
+    for (int r = 0; r < T; r++) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(xw + r * len + i), acc[r]);
+  }
+  for (int r = 0; r < T; r++) {
+    zsum[r] = hsum8(acc[r]);
+    for (int64_t j = i; j < len; j++)
+      zsum[r] += param(a->params, n * len + j, a->params_bf16) * xw[r * len + j];
+  }
+}
+
+/* Per row: the sum of the current group in CHAINS partial sums (so that FMA latencies
+ * overlap: 2 for one or two rows, 1 for three or four) and the running total of the scaled
+ * group sums; 8 accumulators at most, of AVX2's 16 registers. Chain indices are constants
+ * after unrolling, so the accumulators stay in registers. */
+#define CHAINS(T) ((T) <= 2 ? 2 : 1)
+
+static inline void store_sums(const qmm_args *a, const __m256 *total, const float *zsum,
+                              int64_t m0, int T, int64_t n) {
+  for (int r = 0; r < T; r++) store(a, m0 + r, n, hsum8(total[r]) + zsum[r]);
+}
+
+/* One output column n for T rows: int4, 32 columns per 16-byte load. Per group g,
+ *   sum_k w[k] x[k] = scale * sum_k q[k] x[k] + (zero - 8 scale) * sum_k x[k],
+ * the first sum over codes widened to float in registers, the second from the rows' group
+ * sums (zero_terms). */
+static inline void int4_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
+                               int64_t m0, int T, int64_t n) {
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+  const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  /* byte i of each 128-bit half into the low byte of 32-bit lane i (-1: zero) */
+  const __m256i spread0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1,
+                                           -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1,
+                                           -1, -1);
+  const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi32(8));
+  __m256 total[TILE_ROWS];
+  for (int r = 0; r < T; r++) total[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m256 sum[TILE_ROWS][2];
+    for (int r = 0; r < T; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
+      const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + k / 2)));
+      const __m256i lo = _mm256_and_si256(raw, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, spread0)),
+                           _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, spread1)),
+                           _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, spread0)),
+                           _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, spread1))};
+      for (int p = 0; p < 4; p++)
+        for (int r = 0; r < T; r++) {
+          const int c = p % CHAINS(T);
+          sum[r][c] = _mm256_fmadd_ps(w[p], _mm256_loadu_ps(x + r * xs + k + 8 * p), sum[r][c]);
+        }
+    }
+    const __m256 scale = _mm256_set1_ps(param(a->params, (n * groups + g) * 2, a->params_bf16));
+    for (int r = 0; r < T; r++) {
+      const __m256 s = CHAINS(T) == 2 ? _mm256_add_ps(sum[r][0], sum[r][1]) : sum[r][0];
+      total[r] = _mm256_fmadd_ps(s, scale, total[r]);
+    }
+  }
+  float zsum[TILE_ROWS];
+  zero_terms(a, xw, groups, n, T, zsum);
+  store_sums(a, total, zsum, m0, T, n);
+}
+
+/* One output column n for T rows: int8, 8 columns per load: per group, scale times the sum
+ * of the codes times x. */
+static inline void int8_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
+                               int64_t m0, int T, int64_t n) {
+  (void)xw;
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+  const int8_t *q = (const int8_t *)a->codes + n * K;
+  __m256 total[TILE_ROWS];
+  for (int r = 0; r < T; r++) total[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m256 sum[TILE_ROWS][2];
+    for (int r = 0; r < T; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+    int64_t k = g * gs;
+    for (; k + 16 <= (g + 1) * gs; k += 16)
+      for (int p = 0; p < 2; p++) {
+        const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + k + 8 * p));
+        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+        for (int r = 0; r < T; r++) {
+          const int c = p % CHAINS(T);
+          sum[r][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k + 8 * p), sum[r][c]);
+        }
+      }
+    if (k < (g + 1) * gs) { /* a group of 8 * odd columns: its last 8 */
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k))));
+      for (int r = 0; r < T; r++)
+        sum[r][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k), sum[r][0]);
+    }
+    const __m256 scale = _mm256_set1_ps(param(a->params, n * groups + g, a->params_bf16));
+    for (int r = 0; r < T; r++) {
+      const __m256 s = CHAINS(T) == 2 ? _mm256_add_ps(sum[r][0], sum[r][1]) : sum[r][0];
+      total[r] = _mm256_fmadd_ps(s, scale, total[r]);
+    }
+  }
+  const float zsum[TILE_ROWS] = {0};
+  store_sums(a, total, zsum, m0, T, n);
+}
+
+#else /* plain C: the same sums with 8 partial sums per row, vectorised by the compiler */
+
+static inline void int4_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
+                               int64_t m0, int T, int64_t n) {
+  (void)xw;
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+  const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
+  float acc[TILE_ROWS][8] = {{0}};
+  float w[32];
+  for (int64_t g = 0; g < groups; g++) {
+    const float scale = param(a->params, (n * groups + g) * 2, a->params_bf16);
+    const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_bf16);
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
+      for (int j = 0; j < 16; j++) {
+        const uint8_t byte = q[k / 2 + j];
+        w[j] = ((float)(byte & 0x0f) - 8.0f) * scale + zero;
+        w[j + 16] = ((float)(byte >> 4) - 8.0f) * scale + zero;
+      }
+      for (int r = 0; r < T; r++)
+        for (int j = 0; j < 32; j++) acc[r][j % 8] += w[j] * x[r * xs + k + j];
+    }
+  }
+  for (int r = 0; r < T; r++) {
+    float s = 0;
+    for (int l = 0; l < 8; l++) s += acc[r][l];
+    store(a, m0 + r, n, s);
+  }
+}
+
+static inline void int8_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
+                               int64_t m0, int T, int64_t n) {
+  (void)xw;
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+  const int8_t *q = (const int8_t *)a->codes + n * K;
+  float acc[TILE_ROWS][8] = {{0}};
+  for (int64_t g = 0; g < groups; g++) {
+    const float scale = param(a->params, n * groups + g, a->params_bf16);
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 8)
+      for (int r = 0; r < T; r++)
+        for (int j = 0; j < 8; j++) acc[r][j] += (float)q[k + j] * scale * x[r * xs + k + j];
+  }
+  for (int r = 0; r < T; r++) {
+    float s = 0;
+    for (int l = 0; l < 8; l++) s += acc[r][l];
+    store(a, m0 + r, n, s);
+  }
+}
+#endif
+
+/* Each output column is one task: its weight row is read once per tile of rows, and the
+ * tiles of x stay in the cache. */
+#define DEFINE_MATMUL(name, column, sums)                                                 \
+  void name(const qmm_args *a) {                                                          \
+    int64_t xs;                                                                           \
+    const float *x = float_rows(a, &xs);                                                  \
+    const float *xw = sums ? group_sums(a, x, xs) : NULL;                                 \
+    const int64_t M = a->rows, N = a->out_features, xw_row = 2 * (a->in_features / a->group_size); \
+    _Pragma("omp parallel for schedule(static) num_threads(a->num_threads)")              \
+    for (int64_t n = 0; n < N; n++)                                                       \
+      for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {                                     \
+        const int64_t left = M - m0;                                                      \
+        const float *xt = x + m0 * xs, *wt = xw ? xw + m0 * xw_row : NULL;                \
+        switch (left >= TILE_ROWS ? TILE_ROWS : left) { /* constant tiles unroll */       \
+          case 4: column(a, xt, xs, wt, m0, 4, n); break;                                 \
+          case 3: column(a, xt, xs, wt, m0, 3, n); break;                                 \
+          case 2: column(a, xt, xs, wt, m0, 2, n); break;                                 \
+          default: column(a, xt, xs, wt, m0, 1, n); break;                                \
+        }                                                                                 \
+      }                                                                                   \
+  }
+
+DEFINE_MATMUL(int4_matmul, int4_column, QMM_AVX2)
+DEFINE_MATMUL(int8_matmul, int8_column, 0)
+
+/* Dequantized rows [row0, row0 + count) of W as float32 [count, K]: the large-batch path,
+ * where a float32 GEMM on a cache-sized slice of W beats widening each weight per tile. */
+void int4_dequantize(const qmm_args *a, int64_t row0, int64_t count, float *out) {
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+  for (int64_t n = row0; n < row0 + count; n++) {
+    const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
+    float *w = out + (n - row0) * K;
+    for (int64_t g = 0; g < groups; g++) {
+      const float scale = param(a->params, (n * groups + g) * 2, a->params_bf16);
+      const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_bf16);
+      for (int64_t k = g * gs; k < (g + 1) * gs; k += 32)
+        for (int j = 0; j < 16; j++) {
+          w[k + j] = ((float)(q[k / 2 + j] & 0x0f) - 8.0f) * scale + zero;
+          w[k + j + 16] = ((float)(q[k / 2 + j] >> 4) - 8.0f) * scale + zero;
+        }
+    }
+  }
+}
+
+void int8_dequantize(const qmm_args *a, int64_t row0, int64_t count, float *out) {
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+  for (int64_t n = row0; n < row0 + count; n++) {
+    const int8_t *q = (const int8_t *)a->codes + n * K;
+    for (int64_t g = 0; g < groups; g++) {
+      const float scale = param(a->params, n * groups + g, a->params_bf16);
+      for (int64_t k = g * gs; k < (g + 1) * gs; k++) out[(n - row0) * K + k] = (float)q[k] * scale;
+    }
+  }
+}
+
+/* Bit 0: the AVX2 inner loops are built in; bit 1: the build may use AVX-512. */
+int quant_matmul_features(void) {
+#ifdef __AVX512F__
+  return QMM_AVX2 | 2;
+#else
+  return QMM_AVX2;
+#endif
+}

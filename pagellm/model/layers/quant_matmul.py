@@ -1,0 +1,184 @@
+"""Compiled weight-only int4 / int8 matmuls for the CPU (quant_matmul.c), and their layouts.
+
+Why our own: torch's CPU kernels for weight-only int4/int8 (``_weight_int4pack_mm_for_cpu``,
+``_weight_int8pack_mm``) run scalar code for float32 activations and, on CPUs without
+AVX-512, read bfloat16-activation weights at a few GB/s (measured in docs/BENCHMARKS.md);
+batch-1 decode is that read. These widen each weight in registers once per tile of four rows,
+with AVX2 + FMA inner loops where the build has them and plain C elsewhere. From
+``GEMM_ROWS`` rows on, a product dequantizes a cache-sized slice of the weight to float32 at a
+time and hands it to torch's float32 GEMM, which then beats widening per tile.
+
+Both compute the float32 sums of ``x * w`` with ``w`` dequantized exactly as the layers'
+``dequantized()`` reference (quantized_linear.py), rounded once to x's dtype. The library is
+built and loaded by pagellm.native; without it (``available()`` False) the layers run torch's
+kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from pagellm import native
+
+_SOURCE = Path(__file__).with_name("quant_matmul.c")
+WHAT = "CPU quantized matmul"  # its name in native.status()
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
+GEMM_ROWS = 16  # from here on: dequantized slices + float32 GEMM (benchmarks/quantization.py)
+_SLICE_FLOATS = 1 << 18  # ~1 MB of dequantized float32 weight per GEMM call
+
+
+class _Args(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_void_p) for name in
+                 ("x", "codes", "params", "out", "workspace")]
+                + [(name, ctypes.c_int64) for name in
+                   ("rows", "out_features", "in_features", "group_size", "x_stride",
+                    "num_threads")]
+                + [("x_bf16", ctypes.c_int32), ("params_bf16", ctypes.c_int32)])
+
+
+class _Library:
+    """The built library (None after a failed build) and a grow-only float32 workspace."""
+
+    def __init__(self, level: str | None = None) -> None:
+        self.level = level
+        self.library: ctypes.CDLL | None = None
+        self.tried = False
+        self.workspace = torch.empty(0)
+
+    def load(self) -> ctypes.CDLL | None:
+        if not self.tried:
+            self.tried = True
+            what = WHAT if self.level is None else f"{WHAT} ({self.level})"
+            self.library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
+            if self.library is not None:
+                for name in ("int4_matmul", "int8_matmul"):
+                    getattr(self.library, name).argtypes = [ctypes.POINTER(_Args)]
+                    getattr(self.library, name).restype = None
+                for name in ("int4_dequantize", "int8_dequantize"):
+                    getattr(self.library, name).argtypes = [
+                        ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+                    getattr(self.library, name).restype = None
+        return self.library
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        if self.workspace.numel() < numel:
+            self.workspace = torch.empty(int(numel * 1.25) + 1024)
+        return self.workspace
+
+
+_LIBRARY = _Library()
+
+
+def available() -> bool:
+    """True when the compiled kernels are built and loaded (building them on the first call)."""
+    return _LIBRARY.load() is not None
+
+
+def preferred() -> bool:
+    """Whether the layers run these kernels rather than torch's: where they are built, except
+    on CPUs with AVX-512. There torch's int4/int8 kernels have AVX-512 loops and were measured
+    at least as fast (docs/BENCHMARKS.md), and these have none; group-wise int8, which torch
+    has no kernel for, runs here wherever they are built."""
+    library = _LIBRARY.load()
+    return library is not None and not library.quant_matmul_features() & 2
+
+
+def describe() -> str:
+    """One line for humans: which kernels the quantized projections run."""
+    library = _LIBRARY.load()
+    if library is None:
+        return f"torch's weight-only kernels (compiled ones {native.status()[WHAT]})"
+    if not preferred():
+        return ("torch's weight-only kernels (AVX-512 CPU); compiled ones for group-wise "
+                "int8")
+    loops = "AVX2+FMA" if library.quant_matmul_features() & 1 else "plain C"
+    return f"compiled, {native.status()[WHAT]}; {loops} loops"
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] in [0, 15] -> [N, K / 2] uint8: in each run of 32 columns, byte j holds
+    column j (low nibble) and column j + 16 (high nibble)."""
+    out_features, in_features = codes.shape
+    runs = codes.to(torch.uint8).view(out_features, in_features // 32, 2, 16)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(out_features, in_features // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4: [N, K / 2] uint8 -> codes [N, K] uint8."""
+    out_features = packed.shape[0]
+    runs = packed.view(out_features, -1, 1, 16)
+    return torch.cat([runs & 0x0F, runs >> 4], 2).reshape(out_features, -1)
+
+
+class QuantizedMatmul:
+    """x [..., K] -> x @ W^T for one quantized weight: its codes and parameters, and the
+    kernel arguments that do not change from call to call, prepared once (a projection runs
+    every step, and a ctypes call with its arguments rebuilt costs as much as a small
+    product)."""
+
+    def __init__(self, kind: str, codes: torch.Tensor, params: torch.Tensor,
+                 group_size: int) -> None:
+        self.kind, self.codes, self.params = kind, codes, params  # keep them alive
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (
+            2 if kind == "int4" else 1)
+        self.args = _Args(0, codes.data_ptr(), params.data_ptr(), 0, 0, 0, self.out_features,
+                          self.in_features, group_size, 0, 1, 0,
+                          params.dtype == torch.bfloat16)
+        self.pointer = ctypes.byref(self.args)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        library = _LIBRARY.load()
+        in_features = self.in_features
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"quantized matmul: activations must be float32 or bfloat16, got "
+                             f"{str(x.dtype).removeprefix('torch.')}")
+        rows = x if x.dim() == 2 else x.reshape(-1, in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        num_rows = rows.shape[0]
+        args = self.args
+        args.x, args.rows, args.x_stride = rows.data_ptr(), num_rows, rows.stride(0)
+        args.x_bf16, args.num_threads = rows.dtype == torch.bfloat16, torch.get_num_threads()
+        if num_rows >= GEMM_ROWS:
+            out = _gemm(library, self.kind, args, rows)
+        else:
+            out = torch.empty(num_rows, self.out_features, dtype=rows.dtype)
+            args.out = out.data_ptr()
+            # the widened bfloat16 rows and, for int4, two floats per group of each row
+            args.workspace = _LIBRARY.scratch(num_rows * (in_features + in_features // 16)
+                                              ).data_ptr()
+            getattr(library, f"{self.kind}_matmul")(self.pointer)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_and_zero: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """x [..., K] @ W^T with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]: ``packed``
+    from pack_int4, ``scale_and_zero`` [N, K / group_size, 2]."""
+    return QuantizedMatmul("int4", packed, scale_and_zero, group_size)(x)
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """x [..., K] @ W^T with W[n, k] = q[n, k] * scale[n, g]: q [N, K] int8, scale
+    [N, K / group_size] (or [N] with group_size K)."""
+    return QuantizedMatmul("int8", q, scale, group_size)(x)
+
+
+def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor) -> torch.Tensor:
+    """Many rows: float32 GEMMs on dequantized slices of W, each small enough to be read back
+    from the cache, the result rounded once to x's dtype."""
+    out_features, in_features = args.out_features, args.in_features
+    chunk = max(16, _SLICE_FLOATS // in_features)
+    slice_ = _LIBRARY.scratch(chunk * in_features)
+    xt = rows.float().t()  # [K, rows]
+    out = torch.empty(out_features, rows.shape[0])  # transposed: each slice's rows contiguous
+    dequantize = getattr(library, f"{kind}_dequantize")
+    for start in range(0, out_features, chunk):
+        count = min(chunk, out_features - start)
+        dequantize(ctypes.byref(args), start, count, slice_.data_ptr())
+        weight = slice_[:count * in_features].view(count, in_features)
+        torch.mm(weight, xt, out=out[start:start + count])
+    return out.t().to(rows.dtype)

@@ -1,0 +1,124 @@
+"""The compiled weight-only int4 / int8 matmuls (model/layers/quant_matmul.c) against a float64
+matmul of the weights dequantized as the layers' reference does, in each build a CPU may run
+(AVX2 + FMA, plain C), for tiles of 1-4 rows, the GEMM path of many rows, float32 and bfloat16
+activations and parameters; and the layers on torch's kernels when the compiled ones are off."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import native
+from pagellm.model.layers import quant_matmul
+from pagellm.model.layers.quantized_linear import (Int4Weight, Int8Weight, int4_quantize,
+                                                   int8_quantize)
+
+ROWS = (1, 2, 3, 4, 5, 7, quant_matmul.GEMM_ROWS, quant_matmul.GEMM_ROWS + 5)
+_builds: dict[str, quant_matmul._Library] = {}
+
+
+@pytest.fixture(params=["native", "x86-64-v3", "generic"])
+def build(request, monkeypatch):
+    """The library built for an ISA level (x86-64-v3: the AVX2 loops; generic: plain C),
+    installed as the one the module calls."""
+    if not quant_matmul.available():
+        pytest.skip(f"the compiled kernels are off here ({native.status()[quant_matmul.WHAT]})")
+    level = request.param
+    if level != "native" and not native.cpu_runs(level):
+        pytest.skip(f"this CPU cannot run {level} code")
+    library = quant_matmul._LIBRARY if level == "native" else _builds.setdefault(
+        level, quant_matmul._Library(level))
+    assert library.load() is not None, native.status()
+    if level != "native":  # the loops the level selects are the ones under test
+        assert library.load().quant_matmul_features() == (level == "x86-64-v3")
+    monkeypatch.setattr(quant_matmul, "_LIBRARY", library)
+    return library
+
+
+def check_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: the float64 value up to float32 additions; bfloat16: one rounding of it."""
+    assert out.shape == expected.shape
+    scale = expected.abs().max().item()
+    if out.dtype == torch.float32:
+        assert (out.double() - expected).abs().max().item() <= 2e-6 * scale
+    else:  # within one bfloat16 step (2^-8 relative) of the exact value, plus float32 noise
+        step = expected.abs() * 2 ** -8 + 1e-6 * scale
+        assert ((out.double() - expected).abs() <= step).all()
+
+
+def inputs(out_features, in_features, dtype, rows, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.3
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    return weight, x
+
+
+@pytest.mark.parametrize("x_dtype, param_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_matmul_matches_float64_reference(build, x_dtype, param_dtype, group_size):
+    weight, x = inputs(40, 256, x_dtype, max(ROWS))
+    q, scale, zero = int4_quantize(weight, group_size, param_dtype)
+    params = torch.stack([scale, zero], -1).to(param_dtype).contiguous()
+    p = params.double()
+    deq = ((q.double().view(40, -1, group_size) - 8) * p[..., :1] + p[..., 1:]).view(40, 256)
+    packed = quant_matmul.pack_int4(q)
+    assert torch.equal(quant_matmul.unpack_int4(packed), q)
+    for rows in ROWS:
+        out = quant_matmul.int4_matmul(x[:rows], packed, params, group_size)
+        assert out.dtype == x_dtype
+        check_close(out, x[:rows].double() @ deq.T)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [8, 32, None])
+def test_int8_matmul_matches_float64_reference(build, x_dtype, group_size):
+    weight, x = inputs(24, 96, x_dtype, max(ROWS), seed=1)
+    if group_size is None:  # one scale per output channel
+        q, scale = int8_quantize(weight, x_dtype)
+        deq = q.double() * scale.double()[:, None]
+    else:
+        groups = weight.view(24, -1, group_size)
+        scale = (groups.abs().amax(-1) / 127).to(x_dtype)  # [N, K / group_size]
+        q = (groups / scale.float()[..., None]).round().to(torch.int8).view(24, 96)
+        deq = (q.double().view(24, -1, group_size) * scale.double()[..., None]).view(24, 96)
+    layer = Int8Weight(q, scale, group_size)
+    torch.testing.assert_close(layer.dequantized().double(), deq)
+    for rows in ROWS:
+        check_close(layer(x[:rows]), x[:rows].double() @ deq.T)
+
+
+def test_strided_and_batched_activations(build):
+    """x as a view with a row stride and as [batch, tokens, K]: the rows as given."""
+    weight, x = inputs(32, 64, torch.float32, 6)
+    layer = Int4Weight.quantize(weight, 32)
+    wide = torch.cat([x, torch.ones(6, 8)], 1)[:, :64]
+    expected = x.double() @ layer.dequantized().double().T
+    check_close(layer(wide), expected)
+    check_close(layer(x.view(2, 3, 64)), expected.view(2, 3, 32))
+
+
+def test_layers_on_torch_kernels_when_the_compiled_ones_are_off(monkeypatch):
+    """No compiler (or an AVX-512 CPU, int4 and per-channel int8): torch's int4pack / int8pack kernels, group-wise int8 as a float32 matmul
+    of the dequantized weight; torch's int4 packing needs out_features % 16 == 0."""
+    monkeypatch.setattr(quant_matmul, "available", lambda: False)
+    monkeypatch.setattr(quant_matmul, "preferred", lambda: False)
+    weight, x = inputs(48, 128, torch.float32, 5)
+    layer = Int4Weight.quantize(weight, 32)
+    assert not layer.compiled and layer.codes().shape == (48, 128)
+    check_close(layer(x), x.double() @ layer.dequantized().double().T)
+    int8 = Int8Weight.quantize(weight)
+    check_close(int8(x), x.double() @ int8.dequantized().double().T)
+    grouped = Int8Weight(int8.q, int8.scale[:, None].repeat(1, 4).contiguous(), 32)
+    check_close(grouped(x), x.double() @ grouped.dequantized().double().T)
+    with pytest.raises(ValueError, match="out_features=40 must be a multiple of 16"):
+        Int4Weight.quantize(weight[:40], 32)
+
+
+def test_bad_int8_groups_name_the_limit():
+    q = torch.zeros(4, 96, dtype=torch.int8)
+    with pytest.raises(ValueError, match="group_size=12 must be a multiple of 8 dividing "
+                                         "in_features=96"):
+        Int8Weight(q, torch.ones(4, 8), 12)
+    with pytest.raises(ValueError, match=r"shape \(4, 2\), expected \(4, 3\)"):
+        Int8Weight(q, torch.ones(4, 2), 32)
