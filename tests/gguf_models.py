@@ -116,17 +116,18 @@ def write_tiny_gguf(out_dir: Path, type_name: str, seed: int = 0, name: str | No
                     **overrides: Any) -> tuple[Path, dict[str, np.ndarray]]:
     """A tiny Llama GGUF file with its 2-D weights in ``type_name``; returns (path, expected
     float32 weights by transformers name). ``rope_freqs=array`` adds llama.cpp's baked rope
-    scaling tensor."""
+    scaling tensor; ``other_types={"attn_v": "Q4_0"}`` writes the tensors whose name holds a
+    key in that type instead (a mixed file, as llama.cpp's Q4_K_M ones are)."""
     import gguf
 
     rope_freqs = overrides.pop("rope_freqs", None)
+    other_types = overrides.pop("other_types", {})
     cfg = {**TINY_GGUF, **overrides}
     rng = np.random.default_rng(seed)
     path = Path(out_dir) / (name or f"tiny-{type_name}.gguf")
     writer = gguf.GGUFWriter(str(path), "llama")
     _write_metadata(writer, cfg)
     expected: dict[str, np.ndarray] = {}
-    qtype = gguf.GGMLQuantizationType[type_name]
     for gguf_name, hf_name, shape, heads in _tensor_plan(cfg):
         if len(shape) == 1:
             values = rng.uniform(0.8, 1.2, shape).astype(np.float32)
@@ -135,9 +136,11 @@ def write_tiny_gguf(out_dir: Path, type_name: str, seed: int = 0, name: str | No
             continue
         values = rng.normal(0.0, 0.3 if "embd" not in gguf_name else 1.0, shape)
         stored = llama_cpp_permute(values, heads) if heads else values
-        data = encode_tensor(stored, type_name, rng)
-        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
-        restored = gguf.quants.dequantize(data, qtype).reshape(shape)
+        tensor_type = next((t for key, t in other_types.items() if key in gguf_name), type_name)
+        data = encode_tensor(stored, tensor_type, rng)
+        writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType[tensor_type])
+        restored = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[tensor_type]
+                                          ).reshape(shape)
         expected[hf_name] = llama_cpp_unpermute(restored, heads) if heads else restored
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))

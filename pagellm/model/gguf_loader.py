@@ -8,7 +8,10 @@ the quantized bytes are paged in as they are read, not held).
 With ``quantization`` the projections are quantized from the float32 dequantization of the
 file (model/quantize_on_load.py), not from its copy in the engine's dtype; Q4_0, Q4_1 and Q4_K
 blocks are int4 groups of 32 as they are, so with ``quantization="int4"`` and groups of 32
-their codes are taken over (``int4_codes``) and nothing is re-quantized.
+their codes are taken over (``int4_codes``) and nothing is re-quantized. Q8_0 blocks are int8
+groups of 32 as they are: a projection quantized to int8 (and the vocabulary projection,
+always int8) takes their codes and float32 scales (``int8_codes``) where the compiled
+group-wise int8 kernel runs (quant_matmul.available()).
 
 llama.cpp's converter reorders the rows of the Llama family's q and k projections (each head's
 rotary pairs (i, i + d/2) become adjacent rows, the GPT-J layout its kernels rotate); loading
@@ -29,6 +32,7 @@ import torch
 
 from pagellm.model.decoder import CausalLM
 from pagellm.model.gguf_config import field_value, load_gguf_config, open_reader
+from pagellm.model.layers import quant_matmul
 from pagellm.model.quantize_on_load import QuantizingLoad
 
 # The tensor types whose dequantization (gguf.quants.dequantize) is supported and tested.
@@ -131,6 +135,17 @@ def int4_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             torch.from_numpy(zero.reshape(rows.shape[0], -1)))
 
 
+Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8 codes: d * q
+
+
+def int8_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's codes [out, in] int8 and scales [out, in / 32] float32 (the file's fp16
+    values): W = q * scale, the file's values exactly."""
+    rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1, Q8_0_BLOCK_BYTES)
+    codes = rows[..., 2:].copy().view(np.int8).reshape(rows.shape[0], -1)
+    return torch.from_numpy(codes), torch.from_numpy(_float16(rows, 0))
+
+
 def _q4_k_groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """rows [out, super-blocks, 144] of Q4_K -> codes [out, sb, 8, 32], scale and zero
     [out, sb, 8] float32. ggml's get_scale_min_k4: bytes 0-3 hold the low 6 bits of the
@@ -160,14 +175,16 @@ def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: 
                          ) -> Iterator[tuple[str, torch.Tensor]]:
     """(transformers name, tensor in ``dtype``) for every tensor of the file, one at a time.
     ``lazy``: a GGUFTensorSlice instead, which dequantizes only the rows or columns a weight
-    loader reads (a tensor-parallel rank's shard). ``quantizing`` (int4 with groups of 32):
-    the codes of the Q4_0 / Q4_1 / Q4_K projections are handed to it as they are."""
+    loader reads (a tensor-parallel rank's shard). ``quantizing``: the codes of Q4_0 / Q4_1 /
+    Q4_K projections (int4 with groups of 32) and of Q8_0 ones (int8) are handed to it as they
+    are."""
     from pagellm.model.gguf_slices import GGUFTensorSlice
 
     permute = field_value(reader, "general.architecture") == "llama"
     heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
     direct = (quantizing is not None and quantizing.method == "int4"
               and quantizing.group_size == 32)
+    direct_int8 = quantizing is not None and quant_matmul.available()
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
@@ -186,6 +203,11 @@ def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: 
             if reorder:  # rows move; groups run along the input
                 parts = tuple(unpermute_qk(p, reorder) for p in parts)
             quantizing.add(name, parts)
+        elif (direct_int8 and tensor.tensor_type.name == "Q8_0"
+              and quantizing.method_of(name) == "int8"):
+            parts = int8_codes(tensor)
+            quantizing.add(name, tuple(unpermute_qk(p, reorder) for p in parts) if reorder
+                           else parts)
         yield name, value
 
 

@@ -4,8 +4,9 @@ Each projection is quantized from the checkpoint tensor as read, in float32 (a G
 dequantized to float32, a safetensors tensor in its stored dtype upcast), never from the copy
 loaded into the model: with ``dtype=bfloat16`` that copy is already rounded, and quantizing it
 would round each weight twice (a bfloat16 round trip). Where a GGUF file's blocks *are* the
-target format (Q4_0 / Q4_1 / Q4_K as int4 groups of 32, gguf_loader.int4_codes) the loader
-hands their codes in instead (``add``), and nothing is re-quantized.
+target format (Q4_0 / Q4_1 / Q4_K as int4 groups of 32, gguf_loader.int4_codes; Q8_0 as int8
+groups of 32 with float32 scales, gguf_loader.int8_codes) the loader hands their codes in
+instead (``add``), and nothing is re-quantized.
 
 Both formats keep rows independent (int8: one scale per output row; int4: groups run along
 the input), so every checkpoint tensor — one shard of a fused projection such as q_proj of
@@ -27,8 +28,8 @@ from pagellm.model.layers.linear import Linear, as_tensor
 from pagellm.model.layers.quantized_linear import (Int4Weight, Int8Weight, int4_quantize,
                                                     int8_quantize)
 
-# int8: (q [N, K] int8, scale [N] in the model dtype); int4: (codes [N, K] uint8, scale,
-# zero [N, K / group] float32)
+# int8: (q [N, K] int8, scale [N] in the model dtype, or [N, K / 32] float32 from Q8_0);
+# int4: (codes [N, K] uint8, scale, zero [N, K / group] float32)
 Parts = tuple[torch.Tensor, ...]
 
 
@@ -63,7 +64,8 @@ class QuantizingLoad:
         return "int8" if module is self._lm_head else self.method
 
     def add(self, name: str, parts: Parts) -> None:
-        """Parts taken from the file as they are (int4 codes, scale, zero float32)."""
+        """Parts taken from the file as they are (int4: codes, scale, zero float32; int8: codes,
+        scale [N, K / 32] float32)."""
         self.parts[name] = parts
 
     def stream(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
@@ -84,17 +86,30 @@ class QuantizingLoad:
         names = self._sources[module]
         if not all(n in self.parts for n in names):
             return
-        stacked = [torch.cat(p) for p in zip(*(self.parts.pop(n) for n in names))]
+        parts = [self.parts.pop(n) for n in names]
+        if len(parts[0]) == 2 and len({p[1].dim() for p in parts}) > 1:
+            parts = [_per_group(*p) for p in parts]  # a Q8_0 shard beside re-quantized ones
+        stacked = [torch.cat(p) for p in zip(*parts)]
         if stacked[0].shape != module.weight.shape:
             raise ValueError(f"checkpoint tensors {names} stack to "
                              f"{tuple(stacked[0].shape)}, not the projection's "
                              f"{tuple(module.weight.shape)}")
         if len(stacked) == 2:
-            module.quantized = Int8Weight(*stacked)
+            q, scale = stacked
+            module.quantized = Int8Weight(q, scale, q.shape[1] // scale.shape[1]
+                                          if scale.dim() == 2 else None)
         else:
             module.quantized = Int4Weight(*stacked, self.group_size, self.dtype)
         if id(module.weight) not in self._shared:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+
+
+def _per_group(q: torch.Tensor, scale: torch.Tensor) -> Parts:
+    """int8 parts with float32 scales per group of 32 (Q8_0's): a per-channel scale repeated,
+    which dequantizes to the same values."""
+    if scale.dim() == 1:
+        scale = scale.float()[:, None].expand(-1, q.shape[1] // 32).contiguous()
+    return q, scale
 
 
 def _projection_sources(model: Any) -> dict[Linear, list[str]]:

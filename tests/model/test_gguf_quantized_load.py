@@ -19,7 +19,8 @@ from gguf_models import smollm2_gguf, write_tiny_gguf  # noqa: E402
 from paged_greedy import PagedGreedy  # noqa: E402
 
 from pagellm.model.gguf_config import open_reader  # noqa: E402
-from pagellm.model.gguf_loader import int4_codes, unpermute_qk  # noqa: E402
+from pagellm.model.gguf_loader import int4_codes, int8_codes, unpermute_qk  # noqa: E402
+from pagellm.model.layers import quant_matmul  # noqa: E402
 from pagellm.model.layers.linear import Linear  # noqa: E402
 from pagellm.model.layers.quantized_linear import Int4Weight, Int8Weight  # noqa: E402
 from pagellm.model.loader import load_model  # noqa: E402
@@ -98,7 +99,7 @@ def test_int4_model_from_q4_k_computes_the_float32_model(q4_k_file):
 
 
 @pytest.mark.parametrize("type_name, method, group_size", [
-    ("Q8_0", "int8", 128), ("Q4_K", "int8", 128), ("Q4_K", "int4", 128), ("Q6_K", "int4", 32),
+    ("Q8_0", "int4", 128), ("Q4_K", "int8", 128), ("Q4_K", "int4", 128), ("Q6_K", "int4", 32),
     ("Q5_0", "int4", 64)])
 def test_other_layouts_are_quantized_from_the_float32_values(tmp_path, type_name, method,
                                                              group_size):
@@ -112,6 +113,8 @@ def test_other_layouts_are_quantized_from_the_float32_values(tmp_path, type_name
     for name, module in projections(model).items():
         values = file_weight(expected, name)
         kind = "int8" if name == "lm_head" else method
+        if kind == "int8" and type_name == "Q8_0" and quant_matmul.available():
+            continue  # Q8_0 blocks are int8 as they are (test_q8_0_blocks_are_int8_groups_of_32)
         if kind == "int8":
             reference = Int8Weight.quantize(values, torch.bfloat16)
             rounded = Int8Weight.quantize(values.to(torch.bfloat16))
@@ -127,6 +130,35 @@ def test_other_layouts_are_quantized_from_the_float32_values(tmp_path, type_name
         stored = module.quantized.scale if kind == "int8" else module.quantized.scale_and_zero
         assert stored.dtype == torch.bfloat16
     assert differs > 0  # the bfloat16 round trip would have changed codes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_blocks_are_int8_groups_of_32(tmp_path, dtype):
+    """int8 from a Q8_0 file whose attn_v tensors are Q4_0 (a mixed file): every projection
+    and the vocabulary projection are int8 groups of 32 with float32 scales that dequantize
+    to the file's values exactly, in either dtype; in qkv_proj the v rows, re-quantized from
+    their float32 values, hold their per-channel scales repeated per group."""
+    if not quant_matmul.available():
+        pytest.skip("group-wise int8 runs in the compiled kernels, which are off here "
+                    f"({quant_matmul.describe()})")
+    path, expected = write_tiny_gguf(tmp_path, "Q8_0", other_types={"attn_v": "Q4_0"})
+    model, config = load_model(path, dtype=dtype, quantization="int8")
+    v_rows = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    for name, module in projections(model).items():
+        layer = module.quantized
+        assert isinstance(layer, Int8Weight) and layer.group_size == 32, name
+        assert layer.scale.dtype == torch.float32, name
+        values = file_weight(expected, name)
+        if name.endswith("qkv_proj"):
+            requantized = Int8Weight.quantize(values[-v_rows:], dtype)
+            np.testing.assert_array_equal(layer.dequantized()[-v_rows:].numpy(),
+                                          requantized.dequantized().numpy())
+            values = values[:-v_rows]
+        np.testing.assert_array_equal(layer.dequantized()[:len(values)].numpy(), values.numpy())
+    tensors = {t.name: t for t in open_reader(path).tensors}
+    q, scale = int8_codes(tensors["output.weight"])
+    assert torch.equal(model.lm_head.quantized.q, q)
+    assert torch.equal(model.lm_head.quantized.scale, scale)
 
 
 def test_safetensors_float32_checkpoint_is_quantized_from_its_values(model_zoo):
@@ -182,8 +214,14 @@ def test_smollm2_int4_takes_every_projection_from_the_file():
     assert config.tie_word_embeddings and tensors["token_embd.weight"].tensor_type.name == "Q8_0"
     embedding = gguf.quants.dequantize(tensors["token_embd.weight"].data,
                                        tensors["token_embd.weight"].tensor_type)
-    reference = Int8Weight.quantize(torch.from_numpy(np.ascontiguousarray(embedding)),
-                                    torch.bfloat16)
-    assert torch.equal(layers["lm_head"].quantized.q, reference.q)
-    assert torch.equal(layers["lm_head"].quantized.scale, reference.scale)
+    lm_head = layers["lm_head"].quantized
+    if quant_matmul.available():  # the Q8_0 blocks as they are
+        q, scale = int8_codes(tensors["token_embd.weight"])
+        assert torch.equal(lm_head.q, q) and torch.equal(lm_head.scale, scale)
+        np.testing.assert_array_equal(lm_head.dequantized().numpy(), embedding)
+    else:  # per channel, from the embedding's float32 values
+        reference = Int8Weight.quantize(torch.from_numpy(np.ascontiguousarray(embedding)),
+                                        torch.bfloat16)
+        assert torch.equal(lm_head.q, reference.q)
+        assert torch.equal(lm_head.scale, reference.scale)
     assert model.model.embed_tokens.weight.shape == (config.vocab_size, config.hidden_size)
