@@ -18,6 +18,9 @@
   per step) and output tokens/s.
 - ``weights``: batch-1 greedy decode tokens/s with bfloat16, int8 and int4 weights on the
   "small" model and the real GGUF model (--new-tokens, default 48, after a 16-token prompt).
+- ``matmul``: one projection of SmolLM2's shapes (bfloat16 activations, int4 groups of 32) at
+  1, 4, 8, 16 and 64 rows: pagellm's compiled int4 / int8 products beside torch's weight-only
+  kernels and a bfloat16 F.linear, interleaved, the fastest of --iters rounds.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ from pagellm.attention import AttentionMetadata, cpu_kernel, kv_quant
 from pagellm.attention.torch_backend import _decode
 from pagellm.bench.quant_quality import quality
 from pagellm.bench.throughput import machine_info, resolve_model
+from pagellm.model.layers import quant_matmul
+from pagellm.model.layers.quantized_linear import int4_quantize, int8_quantize
 from pagellm.worker.cache_engine import _allocate_zeroed
 
 KV_DTYPES = ("auto", "int8", "fp8", "fp8_e5m2")
@@ -171,19 +176,62 @@ def weights(models: dict[str, str], new_tokens: int, group_size: int) -> dict:
             report[f"{label}/{method or 'bfloat16'}"] = round((new_tokens - 1) / decode_s, 1)
             del llm
     return {"new_tokens": new_tokens, "int4_group_size": group_size,
-            "batch1_decode_tokens_per_s": report}
+            "quantized_matmul": quant_matmul.describe(), "batch1_decode_tokens_per_s": report}
+
+
+# SmolLM2-135M's projections (out_features, in_features): qkv, o, gate_up, down, LM head
+MATMUL_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
+
+
+def matmul(rounds: int) -> dict:
+    """ms per product, the fastest round of each variant (rounds interleave the variants)."""
+    if not quant_matmul.available():
+        raise SystemExit(f"the compiled kernels are off here: {quant_matmul.describe()}")
+    gen, runs = torch.Generator().manual_seed(0), []
+    for out_features, in_features in MATMUL_SHAPES:
+        weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+        q4, scale, zero = int4_quantize(weight, 32, torch.bfloat16)
+        params = torch.stack([scale, zero], -1).to(torch.bfloat16).contiguous()
+        ours4 = quant_matmul.QuantizedMatmul("int4", quant_matmul.pack_int4(q4), params, 32)
+        torch4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.int().contiguous(), 1)
+        torch4_params = params.transpose(0, 1).contiguous()
+        q8, scale8 = int8_quantize(weight, torch.bfloat16)
+        ours8 = quant_matmul.QuantizedMatmul("int8", q8, scale8, in_features)
+        plain = weight.bfloat16()
+        for rows in (1, 4, 8, 16, 64):
+            x = torch.randn(rows, in_features, generator=gen).bfloat16()
+            variants = {
+                "pagellm_int4": lambda: ours4(x),
+                "torch_int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x, torch4, 32, torch4_params),
+                "pagellm_int8": lambda: ours8(x),
+                "torch_int8": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scale8),
+                "bfloat16_linear": lambda: torch.nn.functional.linear(x, plain)}
+            calls = max(1, int(2e7 / (out_features * in_features * rows)))
+            best = dict.fromkeys(variants, float("inf"))
+            for _ in range(rounds):
+                for name, run in variants.items():
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        run()
+                    best[name] = min(best[name], (time.perf_counter() - start) / calls)
+            runs.append({"shape": [out_features, in_features], "rows": rows,
+                         "ms": {name: round(t * 1e3, 4) for name, t in best.items()}})
+            print(json.dumps(runs[-1]), file=sys.stderr)
+    return {"quantized_matmul": quant_matmul.describe(), "runs": runs}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=("quality", "attention", "kv-memory", "weights"))
+    parser.add_argument("mode", choices=("quality", "attention", "kv-memory", "weights",
+                                         "matmul"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", default=None, help="default: the real GGUF model "
                         "(quality), the 'small' random Llama (kv-memory)")
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=5, help="timed rounds (attention, matmul)")
     parser.add_argument("--budget", type=int, default=48 << 20, help="KV bytes (kv-memory)")
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--seeds", default="0,1,2,3,4", help="workload seeds (kv-memory)")
@@ -198,6 +246,8 @@ def main() -> None:
     elif args.mode == "kv-memory":
         result = kv_memory(args.model or resolve_model("small"), args.budget, args.requests,
                            [int(seed) for seed in args.seeds.split(",")])
+    elif args.mode == "matmul":
+        result = matmul(args.iters)
     else:
         result = weights({"small": resolve_model("small"), "smollm2-gguf": default_gguf()},
                          args.new_tokens, args.group_size)

@@ -12,7 +12,7 @@ from pagellm.model.layers import quant_matmul
 from pagellm.model.layers.quantized_linear import (Int4Weight, Int8Weight, int4_quantize,
                                                    int8_quantize)
 
-ROWS = (1, 2, 3, 4, 5, 7, quant_matmul.GEMM_ROWS, quant_matmul.GEMM_ROWS + 5)
+ROWS = (1, 2, 3, 4, 5, 7, 8, 12, 15, quant_matmul.GEMM_ROWS, quant_matmul.GEMM_ROWS + 5)
 _builds: dict[str, quant_matmul._Library] = {}
 
 

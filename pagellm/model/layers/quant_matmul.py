@@ -3,10 +3,11 @@
 Why our own: torch's CPU kernels for weight-only int4/int8 (``_weight_int4pack_mm_for_cpu``,
 ``_weight_int8pack_mm``) run scalar code for float32 activations and, on CPUs without
 AVX-512, read bfloat16-activation weights at a few GB/s (measured in docs/BENCHMARKS.md);
-batch-1 decode is that read. These widen each weight in registers once per tile of four rows,
-with AVX2 + FMA inner loops where the build has them and plain C elsewhere. From
-``GEMM_ROWS`` rows on, a product dequantizes a cache-sized slice of the weight to float32 at a
-time and hands it to torch's float32 GEMM, which then beats widening per tile.
+batch-1 decode is that read. These widen each weight in registers once per tile of rows (1-4,
+or 8 in AVX2 builds), with AVX2 + FMA inner loops where the build has them and plain C
+elsewhere. From ``GEMM_ROWS`` rows on (prefill), a product dequantizes a cache-sized slice of
+the weight to float32 at a time and hands it to torch's float32 GEMM, which then beats
+widening per tile.
 
 Both compute the float32 sums of ``x * w`` with ``w`` dequantized exactly as the layers'
 ``dequantized()`` reference (quantized_linear.py), rounded once to x's dtype. The library is
@@ -25,7 +26,9 @@ from pagellm import native
 _SOURCE = Path(__file__).with_name("quant_matmul.c")
 WHAT = "CPU quantized matmul"  # its name in native.status()
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
-GEMM_ROWS = 16  # from here on: dequantized slices + float32 GEMM (benchmarks/quantization.py)
+# from here on: dequantized slices + float32 GEMM; the two crossed between 16 and 32 rows on
+# an AVX2 EPYC (benchmarks/quantization.py matmul, docs/BENCHMARKS.md)
+GEMM_ROWS = 24
 _SLICE_FLOATS = 1 << 18  # ~1 MB of dequantized float32 weight per GEMM call
 
 
