@@ -20,7 +20,8 @@
   "small" model and the real GGUF model (--new-tokens, default 48, after a 16-token prompt).
 - ``matmul``: one projection of SmolLM2's shapes (bfloat16 activations, int4 groups of 32) at
   1, 4, 8, 16 and 64 rows: pagellm's compiled int4 / int8 products beside torch's weight-only
-  kernels and a bfloat16 F.linear, interleaved, the fastest of --iters rounds.
+  kernels and the engine's bfloat16 projection (packed for oneDNN, or its float32 route),
+  interleaved, the fastest of --iters rounds.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from pagellm.attention import AttentionMetadata, cpu_kernel, kv_quant
 from pagellm.attention.torch_backend import _decode
 from pagellm.bench.quant_quality import quality
 from pagellm.bench.throughput import machine_info, resolve_model
-from pagellm.model.layers import quant_matmul
+from pagellm.model.layers import Linear, quant_matmul
 from pagellm.model.layers.quantized_linear import int4_quantize, int8_quantize
 from pagellm.worker.cache_engine import _allocate_zeroed
 
@@ -197,7 +198,9 @@ def matmul(rounds: int) -> dict:
         torch4_params = params.transpose(0, 1).contiguous()
         q8, scale8 = int8_quantize(weight, torch.bfloat16)
         ours8 = quant_matmul.QuantizedMatmul("int8", q8, scale8, in_features)
-        plain = weight.bfloat16()
+        plain = Linear(in_features, out_features).bfloat16()  # the engine's bfloat16 route
+        plain.weight.data = weight.bfloat16()
+        plain.pack()
         for rows in (1, 4, 8, 16, 64):
             x = torch.randn(rows, in_features, generator=gen).bfloat16()
             variants = {
@@ -206,7 +209,7 @@ def matmul(rounds: int) -> dict:
                     x, torch4, 32, torch4_params),
                 "pagellm_int8": lambda: ours8(x),
                 "torch_int8": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scale8),
-                "bfloat16_linear": lambda: torch.nn.functional.linear(x, plain)}
+                "pagellm_bfloat16": lambda: plain(x)}
             calls = max(1, int(2e7 / (out_features * in_features * rows)))
             best = dict.fromkeys(variants, float("inf"))
             for _ in range(rounds):
