@@ -54,8 +54,10 @@ def _matmul_path(model: nn.Module | None) -> str:
         return "torch F.linear (torch built without oneDNN)"
     if model is None:
         if not onednn_has_bfloat16():
+            small = (f"the compiled bfloat16 kernel below {quant_matmul.GEMM_ROWS} rows"
+                     if quant_matmul.available() else "F.linear below 4 rows")
             return ("oneDNN with packed weights (checked per layer at load) for float32; "
-                    "bfloat16 on F.linear, in float32 from 4 rows up (this CPU lacks oneDNN's "
+                    f"bfloat16 on {small}, in float32 from there (this CPU lacks oneDNN's "
                     "bfloat16 path)")
         return "oneDNN with packed weights (checked per layer at load)"
     linears = [m for m in model.modules() if isinstance(m, Linear)]

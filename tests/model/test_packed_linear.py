@@ -62,21 +62,32 @@ def test_packed_linear_matches_f_linear(dtype, bias, shape):
                                atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_without_onednn_bfloat16_runs_in_float32(monkeypatch, caplog, bias):
+def test_bfloat16_without_onednn_bfloat16_runs_in_float32(monkeypatch, caplog, bias, kernel):
     """Where oneDNN has no bfloat16 path (AVX2-only CPUs; forced here), a bfloat16 layer stays
-    unpacked and computes 4 or more rows in float32, the weight converted a chunk of rows at a
-    time (here 128 rows: 3 chunks), rounded once: the float32 matmul of the bfloat16 values up
-    to the order of the float32 sums; fewer rows stay on the bfloat16 F.linear."""
+    unpacked. Below quant_matmul.GEMM_ROWS rows it runs the compiled bfloat16 kernel (the
+    weight widened in registers), from there in float32 with the weight converted a chunk of
+    rows at a time (here 128 rows: 3 chunks); both round float32 sums (bias included) once:
+    the float32 matmul of the bfloat16 values up to the order of the float32 sums. Without the
+    compiled kernels, fewer than 4 rows stay on the bfloat16 F.linear."""
     from pagellm.model.layers import linear as linear_module
+    from pagellm.model.layers import quant_matmul
 
     monkeypatch.setattr(linear_module, "onednn_has_bfloat16", lambda: False)
+    if not kernel:
+        monkeypatch.setattr(quant_matmul, "available", lambda: False)
+    elif not quant_matmul.available():
+        pytest.skip(f"the compiled kernels are off here ({quant_matmul.describe()})")
     layer = linear(2048, 300, torch.bfloat16, bias)
     assert not layer.pack() and layer.upcast and "bfloat16" in layer.pack_failure
+    assert (layer.bf16_kernel is not None) == kernel
     weight = layer.weight
     bias_f = None if layer.bias is None else layer.bias.float()
     gen = torch.Generator().manual_seed(2)
-    for rows in (4, 9):
+    for rows in (1, 4, 9, quant_matmul.GEMM_ROWS + 1):
+        if rows < 4 and not kernel:
+            continue
         x = torch.randn(rows, 2048, generator=gen).bfloat16()
         exact = F.linear(x.double(), weight.double(),
                          None if bias_f is None else bias_f.double())
@@ -86,8 +97,14 @@ def test_bfloat16_without_onednn_bfloat16_runs_in_float32(monkeypatch, caplog, b
         torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=1e-4)
         torch.testing.assert_close(got, F.linear(x.float(), weight.float(), bias_f).bfloat16(),
                                    rtol=2 ** -7, atol=1e-4)
-    few = torch.randn(3, 2048, generator=gen).bfloat16()
-    assert torch.equal(layer(few), F.linear(few, weight, layer.bias))
+    if kernel:  # a bias other than the layer's (a tensor-parallel shard adds its own later)
+        x = torch.randn(2, 2048, generator=gen).bfloat16()
+        torch.testing.assert_close(layer.matmul(x, None).double(),
+                                   F.linear(x.double(), weight.double()), rtol=2 ** -7,
+                                   atol=1e-4)
+    else:
+        few = torch.randn(3, 2048, generator=gen).bfloat16()
+        assert torch.equal(layer(few), F.linear(few, weight, layer.bias))
     # at load: said once at INFO (expected on such CPUs), no warning
     with caplog.at_level("INFO", logger="pagellm"):
         linear_module.pack_linear_weights(torch.nn.Sequential(linear(64, 32, torch.bfloat16,

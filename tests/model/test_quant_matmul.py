@@ -88,6 +88,23 @@ def test_int8_matmul_matches_float64_reference(build, x_dtype, group_size):
         check_close(layer(x[:rows]), x[:rows].double() @ deq.T)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_weight_matmul_matches_float64_reference(build, x_dtype, bias):
+    """A bfloat16 weight as it is (kind "bf16", what Linear runs where oneDNN has no bfloat16
+    matmul), K = 72 (a tail of 8 after the pairs of 8), with and without a bias."""
+    weight, x = inputs(24, 72, x_dtype, max(ROWS), seed=2)
+    weight = weight.bfloat16()
+    b = torch.randn(24, generator=torch.Generator().manual_seed(3)) if bias else None
+    kernel = quant_matmul.QuantizedMatmul("bf16", weight, weight, 72, b)
+    for rows in ROWS:
+        expected = x[:rows].double() @ weight.double().T
+        if bias:
+            expected = expected + b.double()
+            check_close(kernel(x[:rows], add_bias=False), expected - b.double())
+        check_close(kernel(x[:rows]), expected)
+
+
 def test_strided_and_batched_activations(build):
     """x as a view with a row stride and as [batch, tokens, K]: the rows as given."""
     weight, x = inputs(32, 64, torch.float32, 6)

@@ -12,7 +12,9 @@ reorders the weight on every call; its float32 matmul goes to MKL): 1.05-2x fast
 (the same output bits on the AVX-512 CPUs measured; oneDNN may pick other kernels, and another
 summation order, on other CPUs), 1.1-3.7x in float32, by number of rows (docs/BENCHMARKS.md,
 "Packed weights"). Where oneDNN has no bfloat16 path (CPUs without AVX-512 or AVX-NE-CONVERT),
-bfloat16 layers stay unpacked and run matmuls of 4 or more rows in float32 (Linear.pack).
+bfloat16 layers stay unpacked: below quant_matmul.GEMM_ROWS rows they run the compiled
+bfloat16 kernel (quant_matmul.c, the weight widened in registers), from there in float32
+(without the compiler: 4 rows or more in float32, fewer on F.linear) (Linear.pack).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed.parallel_state import current_group
+from pagellm.model.layers import quant_matmul
 
 logger = logging.getLogger("pagellm")
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -73,8 +76,10 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, set by pack()
         self.pack_failure: str | None = None  # why pack() could not, when it tried
-        # bfloat16 where oneDNN has no bfloat16 path (pack()): matmuls of 4+ rows in float32
+        # bfloat16 where oneDNN has no bfloat16 path (pack()): matmuls of 4+ rows in float32,
+        # and, where it is built, fewer than quant_matmul.GEMM_ROWS in the compiled kernel
         self.upcast = False
+        self.bf16_kernel: quant_matmul.QuantizedMatmul | None = None
         # int8/int4 weight-only (quantized_linear.py), set after loading; replaces the weight
         self.quantized: nn.Module | None = None
 
@@ -93,9 +98,20 @@ class Linear(nn.Module):
         """x @ W^T + bias through the path chosen at load: packed, float32 (upcast) or plain."""
         if self.packed_weight is not None:
             return _packed_linear(x, self.packed_weight, bias)
-        if self.upcast and x.numel() >= _UPCAST_ROWS * self.in_features:
-            return self._float32_linear(x, bias)
+        if self.upcast:
+            rows = x.numel() // self.in_features
+            if self.bf16_kernel is not None and rows < quant_matmul.GEMM_ROWS:
+                return self._kernel_linear(x, bias)
+            if rows >= _UPCAST_ROWS:
+                return self._float32_linear(x, bias)
         return F.linear(x, self.weight, bias)
+
+    def _kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The compiled bfloat16 kernel: the weight widened in registers, float32 sums (with
+        the layer's bias) rounded once; another bias is added after."""
+        if bias is None or bias is self.bias:
+            return self.bf16_kernel(x, add_bias=bias is not None)
+        return self.bf16_kernel(x, add_bias=False) + bias
 
     def _float32_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear of the bfloat16 values in float32, rounded once (as bfloat16 matmuls
@@ -130,11 +146,18 @@ class Linear(nn.Module):
             # torch's bfloat16 matmul then takes a path that costs each row a pass over the
             # weight (5x the float32 route's time at 64 rows on an AVX2 EPYC); converting the
             # weight to float32 per call and rounding the float32 sums once is the same
-            # arithmetic (_float32_linear)
+            # arithmetic (_float32_linear), and so is widening it in registers (the compiled
+            # kernel, for the rows of a decode step)
             self.upcast = True
+            if quant_matmul.available() and self.in_features % 8 == 0:
+                self.bf16_kernel = quant_matmul.QuantizedMatmul(
+                    "bf16", weight.detach(), weight.detach(), self.in_features, self.bias)
             self.pack_failure = ("oneDNN has no bfloat16 path on this CPU (it needs AVX-512BW/"
-                                 f"VL/DQ or AVX-NE-CONVERT): bfloat16 projections of "
-                                 f"{_UPCAST_ROWS} or more rows run in float32")
+                                 "VL/DQ or AVX-NE-CONVERT): bfloat16 projections of "
+                                 + (f"fewer than {quant_matmul.GEMM_ROWS} rows run in the "
+                                    "compiled bfloat16 kernel, more in float32"
+                                    if self.bf16_kernel is not None else
+                                    f"{_UPCAST_ROWS} or more rows run in float32"))
             return False
         try:
             packed = _reorder_weight(weight.detach())

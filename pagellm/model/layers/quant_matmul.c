@@ -24,8 +24,10 @@
  *        nibble and column j + 16 in its high nibble (as GGML's Q4 blocks), so that one
  *        16-byte load and two masks give 32 codes in column order;
  *   int4 params [N, K / group_size, 2] (scale, zero), float32 or bfloat16;
- *   int8 codes [N, K] int8; params [N, K / group_size] scale, float32 or bfloat16.
- * group_size is a multiple of 32 (int4) or of 8 (int8) and divides K.
+ *   int8 codes [N, K] int8; params [N, K / group_size] scale, float32 or bfloat16;
+ *   bf16 "codes" [N, K]: a bfloat16 weight as it is (no parameters; group_size K), for CPUs
+ *        where oneDNN has no bfloat16 matmul and torch's makes a pass over W per row.
+ * group_size is a multiple of 32 (int4) or of 8 (int8, bf16: K % 8 == 0) and divides K.
  *
  * x and out are float32 or bfloat16 (x_bf16); bfloat16 x is widened into the caller's
  * workspace (M * K floats, then the int4 group sums) once per call. Output columns are split
@@ -67,6 +69,7 @@ typedef struct {
   float *workspace;       /* M * K floats (used when x is bfloat16) */
   int64_t rows, out_features, in_features, group_size, x_stride, num_threads;
   int32_t x_bf16, params_bf16;
+  const float *bias;      /* [N] added to every row before the rounding, or NULL */
 } qmm_args;
 
 static inline float param(const void *p, int64_t i, int bf16) {
@@ -104,6 +107,7 @@ static const float *group_sums(const qmm_args *a, const float *x, int64_t xs) {
 }
 
 static inline void store(const qmm_args *a, int64_t m, int64_t n, float v) {
+  if (a->bias) v += a->bias[n];
   if (a->x_bf16)
     ((bf16_t *)a->out)[m * a->out_features + n] = f32_to_bf16(v);
   else
@@ -290,6 +294,52 @@ static inline void int8_wide(const qmm_args *a, const float *x, int64_t xs, int6
   for (int r = 0; r < WIDE_ROWS; r++) store(a, m0 + r, n, hsum8(acc[r]));
 }
 
+/* bfloat16 weights (codes [N, K] bfloat16, no parameters): each widened exactly by a shift.
+ * The float32 sums of x times the weights, as the int8 loops without scales. */
+static inline __m256 load_bf16(const bf16_t *p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline void bf16_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
+                               int64_t m0, int T, int64_t n) {
+  (void)xw;
+  const int64_t K = a->in_features;
+  const bf16_t *w = (const bf16_t *)a->codes + n * K;
+  __m256 sum[TILE_ROWS][2];
+  for (int r = 0; r < T; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16)
+    for (int p = 0; p < 2; p++) {
+      const __m256 wv = load_bf16(w + k + 8 * p);
+      for (int r = 0; r < T; r++) {
+        const int c = p % CHAINS(T);
+        sum[r][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * xs + k + 8 * p), sum[r][c]);
+      }
+    }
+  for (; k < K; k += 8) {
+    const __m256 wv = load_bf16(w + k);
+    for (int r = 0; r < T; r++)
+      sum[r][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * xs + k), sum[r][0]);
+  }
+  for (int r = 0; r < T; r++)
+    store(a, m0 + r, n, hsum8(CHAINS(T) == 2 ? _mm256_add_ps(sum[r][0], sum[r][1]) : sum[r][0]));
+}
+
+static inline void bf16_wide(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
+                             int64_t n) {
+  const int64_t K = a->in_features;
+  const bf16_t *w = (const bf16_t *)a->codes + n * K;
+  __m256 acc[WIDE_ROWS];
+  for (int r = 0; r < WIDE_ROWS; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 wv = load_bf16(w + k);
+    for (int r = 0; r < WIDE_ROWS; r++)
+      acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * xs + k), acc[r]);
+  }
+  for (int r = 0; r < WIDE_ROWS; r++) store(a, m0 + r, n, hsum8(acc[r]));
+}
+
 #else /* plain C: the same sums with 8 partial sums per row, vectorised by the compiler */
 
 static inline void int4_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
@@ -337,10 +387,28 @@ static inline void int8_column(const qmm_args *a, const float *x, int64_t xs, co
     store(a, m0 + r, n, s);
   }
 }
+static inline void bf16_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
+                               int64_t m0, int T, int64_t n) {
+  (void)xw;
+  const int64_t K = a->in_features;
+  const bf16_t *w = (const bf16_t *)a->codes + n * K;
+  float acc[TILE_ROWS][8] = {{0}};
+  for (int64_t k = 0; k < K; k += 8)
+    for (int r = 0; r < T; r++)
+      for (int j = 0; j < 8; j++) acc[r][j] += bf16_to_f32(w[k + j]) * x[r * xs + k + j];
+  for (int r = 0; r < T; r++) {
+    float s = 0;
+    for (int l = 0; l < 8; l++) s += acc[r][l];
+    store(a, m0 + r, n, s);
+  }
+}
+
 /* plain C: no 8-row tiles (the narrow tiles take every row) */
 static inline void int4_wide(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
                              int64_t n) { (void)a; (void)x; (void)xs; (void)m0; (void)n; }
 static inline void int8_wide(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
+                             int64_t n) { (void)a; (void)x; (void)xs; (void)m0; (void)n; }
+static inline void bf16_wide(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
                              int64_t n) { (void)a; (void)x; (void)xs; (void)m0; (void)n; }
 #endif
 
@@ -372,6 +440,7 @@ static inline void int8_wide(const qmm_args *a, const float *x, int64_t xs, int6
 
 DEFINE_MATMUL(int4_matmul, int4_column, int4_wide, QMM_AVX2)
 DEFINE_MATMUL(int8_matmul, int8_column, int8_wide, 0)
+DEFINE_MATMUL(bf16_matmul, bf16_column, bf16_wide, 0)
 
 /* Dequantized rows [row0, row0 + count) of W as float32 [count, K]: the large-batch path,
  * where a float32 GEMM on a cache-sized slice of W beats widening each weight per tile. */

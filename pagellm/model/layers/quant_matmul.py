@@ -38,7 +38,8 @@ class _Args(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in
                    ("rows", "out_features", "in_features", "group_size", "x_stride",
                     "num_threads")]
-                + [("x_bf16", ctypes.c_int32), ("params_bf16", ctypes.c_int32)])
+                + [("x_bf16", ctypes.c_int32), ("params_bf16", ctypes.c_int32),
+                   ("bias", ctypes.c_void_p)])
 
 
 class _Library:
@@ -56,7 +57,7 @@ class _Library:
             what = WHAT if self.level is None else f"{WHAT} ({self.level})"
             self.library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
             if self.library is not None:
-                for name in ("int4_matmul", "int8_matmul"):
+                for name in ("int4_matmul", "int8_matmul", "bf16_matmul"):
                     getattr(self.library, name).argtypes = [ctypes.POINTER(_Args)]
                     getattr(self.library, name).restype = None
                 for name in ("int4_dequantize", "int8_dequantize"):
@@ -119,19 +120,26 @@ class QuantizedMatmul:
     """x [..., K] -> x @ W^T for one quantized weight: its codes and parameters, and the
     kernel arguments that do not change from call to call, prepared once (a projection runs
     every step, and a ctypes call with its arguments rebuilt costs as much as a small
-    product)."""
+    product). The tensors must stay where they are (CPU, never replaced) while it is used.
+
+    ``kind``: "int4" (codes from pack_int4, params [N, K / group_size, 2]), "int8" (codes
+    [N, K] int8, params [N] or [N, K / group_size]) or "bf16" (codes: a bfloat16 weight
+    [N, K] as it is, K % 8 == 0; params ignored). ``bias`` [N], added in float32 before the
+    one rounding to x's dtype."""
 
     def __init__(self, kind: str, codes: torch.Tensor, params: torch.Tensor,
-                 group_size: int) -> None:
+                 group_size: int, bias: torch.Tensor | None = None) -> None:
+        self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kind, self.codes, self.params = kind, codes, params  # keep them alive
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (
             2 if kind == "int4" else 1)
         self.args = _Args(0, codes.data_ptr(), params.data_ptr(), 0, 0, 0, self.out_features,
                           self.in_features, group_size, 0, 1, 0,
-                          params.dtype == torch.bfloat16)
+                          params.dtype == torch.bfloat16, None)
         self.pointer = ctypes.byref(self.args)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """``add_bias=False``: without the bias given at construction."""
         library = _LIBRARY.load()
         in_features = self.in_features
         if x.dtype not in (torch.float32, torch.bfloat16):
@@ -144,8 +152,10 @@ class QuantizedMatmul:
         args = self.args
         args.x, args.rows, args.x_stride = rows.data_ptr(), num_rows, rows.stride(0)
         args.x_bf16, args.num_threads = rows.dtype == torch.bfloat16, torch.get_num_threads()
+        bias = self.bias if add_bias else None
+        args.bias = None if bias is None else bias.data_ptr()
         if num_rows >= GEMM_ROWS:
-            out = _gemm(library, self.kind, args, rows)
+            out = _gemm(library, self.kind, args, rows, self.codes, bias)
         else:
             out = torch.empty(num_rows, self.out_features, dtype=rows.dtype)
             args.out = out.data_ptr()
@@ -170,7 +180,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return QuantizedMatmul("int8", q, scale, group_size)(x)
 
 
-def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor) -> torch.Tensor:
+def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor,
+          codes: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Many rows: float32 GEMMs on dequantized slices of W, each small enough to be read back
     from the cache, the result rounded once to x's dtype."""
     out_features, in_features = args.out_features, args.in_features
@@ -178,10 +189,15 @@ def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor) -> t
     slice_ = _LIBRARY.scratch(chunk * in_features)
     xt = rows.float().t()  # [K, rows]
     out = torch.empty(out_features, rows.shape[0])  # transposed: each slice's rows contiguous
-    dequantize = getattr(library, f"{kind}_dequantize")
     for start in range(0, out_features, chunk):
         count = min(chunk, out_features - start)
-        dequantize(ctypes.byref(args), start, count, slice_.data_ptr())
         weight = slice_[:count * in_features].view(count, in_features)
+        if kind == "bf16":
+            weight.copy_(codes[start:start + count])
+        else:
+            getattr(library, f"{kind}_dequantize")(ctypes.byref(args), start, count,
+                                                    slice_.data_ptr())
         torch.mm(weight, xt, out=out[start:start + count])
+    if bias is not None:
+        out += bias[:, None]
     return out.t().to(rows.dtype)
