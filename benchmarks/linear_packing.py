@@ -9,8 +9,9 @@ o 768 x 768, gate/up 4096 x 768, down 768 x 2048, lm_head 32000 x 768), random N
 weights, inputs of ``rows`` rows. For each dtype and row count: GFLOP/s over the five shapes
 (2 x rows x out x in per shape, summed, over the summed median times), plain and packed, and
 whether the packed outputs equal F.linear's bit for bit. Where oneDNN has no bfloat16 path
-(AVX2-only CPUs) the bfloat16 "packed" column is the layer's own path there, float32 matmuls
-from 4 rows up (``layer_path``).
+(AVX2-only CPUs) the bfloat16 "packed" column is the layer's own path there (``layer_path``):
+the compiled bfloat16 kernel below quant_matmul.GEMM_ROWS rows and float32 matmuls from there
+(without the compiled kernels: float32 from 4 rows up).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from model_runner import median_ms  # benchmarks/, the script's folder
 
-from pagellm.model.layers import Linear
+from pagellm.model.layers import Linear, quant_matmul
 
 SHAPES = [(768, 1280), (768, 768), (768, 4096), (2048, 768), (768, 32000)]  # (in, out)
 
@@ -67,7 +68,11 @@ def main() -> None:
                 raise SystemExit(f"{name} weights cannot be packed here: {layer.pack_failure}")
             layers.append((layer, weight))
         # where oneDNN has no bfloat16 path the layer stays unpacked and computes in float32
-        path = "float32 from 4 rows" if layers[0][0].upcast else "packed"
+        first = layers[0][0]
+        path = ("packed" if not first.upcast else
+                f"compiled bfloat16 kernel, float32 from {quant_matmul.GEMM_ROWS} rows"
+                if first.bf16_kernel is not None
+                else "float32 from 4 rows")
         results += [dict(measure(dtype, int(rows), layers, args.iters), layer_path=path)
                     for rows in args.rows.split(",")]
     print(json.dumps({"threads": args.threads, "torch": torch.__version__,

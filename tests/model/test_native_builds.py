@@ -15,10 +15,11 @@ from helpers import hf_greedy, load_hf_model, make_tiny_model, random_prompts
 
 from pagellm import native
 from pagellm.attention import cpu_kernel
-from pagellm.model.layers import cpu_ops
+from pagellm.model.layers import cpu_ops, quant_matmul
 
 _SOURCES = [Path(cpu_kernel.__file__).with_name("paged_decode.c"),
-            Path(cpu_ops.__file__).with_name("cpu_ops.c")]
+            Path(cpu_ops.__file__).with_name("cpu_ops.c"),
+            Path(quant_matmul.__file__).with_name("quant_matmul.c")]
 _CROSS_COMPILER = "aarch64-linux-gnu-gcc"
 
 
@@ -58,7 +59,7 @@ def _cross_compiler() -> str:
 
 @pytest.mark.parametrize("source", _SOURCES, ids=lambda p: p.name)
 def test_kernels_compile_for_aarch64(source, tmp_path):
-    """On ARM the plain-C loops are what runs: both sources compile for aarch64 (armv8-a, the
+    """On ARM the plain-C loops are what runs: every source compiles for aarch64 (armv8-a, the
     baseline every 64-bit ARM server has) with the flags pagellm builds them with."""
     compiler = _cross_compiler()
     flags = ["-O3", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", "-march=armv8-a"]

@@ -191,12 +191,12 @@ def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor,
     out = torch.empty(out_features, rows.shape[0])  # transposed: each slice's rows contiguous
     for start in range(0, out_features, chunk):
         count = min(chunk, out_features - start)
-        weight = slice_[:count * in_features].view(count, in_features)
         if kind == "bf16":
-            weight.copy_(codes[start:start + count])
-        else:
+            weight = codes[start:start + count].float()
+        else:  # into the shared workspace, through its pointer (it may be an inference tensor)
             getattr(library, f"{kind}_dequantize")(ctypes.byref(args), start, count,
                                                     slice_.data_ptr())
+            weight = slice_[:count * in_features].view(count, in_features)
         torch.mm(weight, xt, out=out[start:start + count])
     if bias is not None:
         out += bias[:, None]
