@@ -159,6 +159,24 @@ static inline void store_sums(const qmm_args *a, const __m256 *total, const floa
   for (int r = 0; r < T; r++) store(a, m0 + r, n, hsum8(total[r]) + zsum[r]);
 }
 
+/* 32 int4 codes from 16 bytes (byte j: column j in the low nibble, j + 16 in the high one)
+ * as four vectors of 8 floats in column order: the bytes in both 128-bit halves, each
+ * half's 4 bytes spread to the low bytes of its 32-bit lanes (vpshufb, -1: zero). */
+static inline void widen_codes(const uint8_t *p, __m256 w[4]) {
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  const __m256i spread0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1,
+                                           -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1,
+                                           -1, -1);
+  const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi32(8));
+  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+  const __m256i lo = _mm256_and_si256(raw, low);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+  w[0] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, spread0));
+  w[1] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, spread1));
+  w[2] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, spread0));
+  w[3] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, spread1));
+}
+
 /* One output column n for T rows: int4, 32 columns per 16-byte load. Per group g,
  *   sum_k w[k] x[k] = scale * sum_k q[k] x[k] + (zero - 8 scale) * sum_k x[k],
  * the first sum over codes widened to float in registers, the second from the rows' group
@@ -167,25 +185,14 @@ static inline void int4_column(const qmm_args *a, const float *x, int64_t xs, co
                                int64_t m0, int T, int64_t n) {
   const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
   const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
-  const __m256i low = _mm256_set1_epi8(0x0f);
-  /* byte i of each 128-bit half into the low byte of 32-bit lane i (-1: zero) */
-  const __m256i spread0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1,
-                                           -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1,
-                                           -1, -1);
-  const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi32(8));
   __m256 total[TILE_ROWS];
   for (int r = 0; r < T; r++) total[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
     __m256 sum[TILE_ROWS][2];
     for (int r = 0; r < T; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
-      const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + k / 2)));
-      const __m256i lo = _mm256_and_si256(raw, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-      const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, spread0)),
-                           _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, spread1)),
-                           _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, spread0)),
-                           _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, spread1))};
+      __m256 w[4];
+      widen_codes(q + k / 2, w);
       for (int p = 0; p < 4; p++)
         for (int r = 0; r < T; r++) {
           const int c = p % CHAINS(T);
@@ -248,11 +255,6 @@ static inline void int4_wide(const qmm_args *a, const float *x, int64_t xs, int6
                              int64_t n) {
   const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
   const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
-  const __m256i low = _mm256_set1_epi8(0x0f);
-  const __m256i spread0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1,
-                                           -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1,
-                                           -1, -1);
-  const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi32(8));
   __m256 acc[WIDE_ROWS];
   for (int r = 0; r < WIDE_ROWS; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
@@ -261,13 +263,10 @@ static inline void int4_wide(const qmm_args *a, const float *x, int64_t xs, int6
     const __m256 zero = _mm256_set1_ps(param(a->params, (n * groups + g) * 2 + 1,
                                              a->params_bf16) - 8.0f * s);
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
-      const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + k / 2)));
-      const __m256i lo = _mm256_and_si256(raw, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-      const __m256i codes[4] = {_mm256_shuffle_epi8(lo, spread0), _mm256_shuffle_epi8(lo, spread1),
-                                _mm256_shuffle_epi8(hi, spread0), _mm256_shuffle_epi8(hi, spread1)};
+      __m256 codes[4];
+      widen_codes(q + k / 2, codes);
       for (int p = 0; p < 4; p++) {
-        const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[p]), scale, zero);
+        const __m256 w = _mm256_fmadd_ps(codes[p], scale, zero);
         for (int r = 0; r < WIDE_ROWS; r++)
           acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k + 8 * p), acc[r]);
       }
@@ -342,6 +341,15 @@ static inline void bf16_wide(const qmm_args *a, const float *x, int64_t xs, int6
 
 #else /* plain C: the same sums with 8 partial sums per row, vectorised by the compiler */
 
+static inline void store_lanes(const qmm_args *a, float acc[TILE_ROWS][8], int64_t m0, int T,
+                               int64_t n) {
+  for (int r = 0; r < T; r++) {
+    float s = 0;
+    for (int l = 0; l < 8; l++) s += acc[r][l];
+    store(a, m0 + r, n, s);
+  }
+}
+
 static inline void int4_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
                                int64_t m0, int T, int64_t n) {
   (void)xw;
@@ -362,11 +370,7 @@ static inline void int4_column(const qmm_args *a, const float *x, int64_t xs, co
         for (int j = 0; j < 32; j++) acc[r][j % 8] += w[j] * x[r * xs + k + j];
     }
   }
-  for (int r = 0; r < T; r++) {
-    float s = 0;
-    for (int l = 0; l < 8; l++) s += acc[r][l];
-    store(a, m0 + r, n, s);
-  }
+  store_lanes(a, acc, m0, T, n);
 }
 
 static inline void int8_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
@@ -381,12 +385,9 @@ static inline void int8_column(const qmm_args *a, const float *x, int64_t xs, co
       for (int r = 0; r < T; r++)
         for (int j = 0; j < 8; j++) acc[r][j] += (float)q[k + j] * scale * x[r * xs + k + j];
   }
-  for (int r = 0; r < T; r++) {
-    float s = 0;
-    for (int l = 0; l < 8; l++) s += acc[r][l];
-    store(a, m0 + r, n, s);
-  }
+  store_lanes(a, acc, m0, T, n);
 }
+
 static inline void bf16_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
                                int64_t m0, int T, int64_t n) {
   (void)xw;
@@ -396,11 +397,7 @@ static inline void bf16_column(const qmm_args *a, const float *x, int64_t xs, co
   for (int64_t k = 0; k < K; k += 8)
     for (int r = 0; r < T; r++)
       for (int j = 0; j < 8; j++) acc[r][j] += bf16_to_f32(w[k + j]) * x[r * xs + k + j];
-  for (int r = 0; r < T; r++) {
-    float s = 0;
-    for (int l = 0; l < 8; l++) s += acc[r][l];
-    store(a, m0 + r, n, s);
-  }
+  store_lanes(a, acc, m0, T, n);
 }
 
 /* plain C: no 8-row tiles (the narrow tiles take every row) */

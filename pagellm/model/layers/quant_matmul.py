@@ -54,7 +54,7 @@ class _Library:
     def load(self) -> ctypes.CDLL | None:
         if not self.tried:
             self.tried = True
-            what = WHAT if self.level is None else f"{WHAT} ({self.level})"
+            what = WHAT + (f" [{self.level}]" if self.level else "")
             self.library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
             if self.library is not None:
                 for name in ("int4_matmul", "int8_matmul", "bf16_matmul"):
