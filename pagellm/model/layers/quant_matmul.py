@@ -120,7 +120,9 @@ class QuantizedMatmul:
     """x [..., K] -> x @ W^T for one quantized weight: its codes and parameters, and the
     kernel arguments that do not change from call to call, prepared once (a projection runs
     every step, and a ctypes call with its arguments rebuilt costs as much as a small
-    product). The tensors must stay where they are (CPU, never replaced) while it is used.
+    product). The tensors must stay where they are (CPU, never replaced) while it is used,
+    and calls do not overlap (one model step at a time, as the engine runs them: the
+    arguments and the module's workspace are shared).
 
     ``kind``: "int4" (codes from pack_int4, params [N, K / group_size, 2]), "int8" (codes
     [N, K] int8, params [N] or [N, K / group_size]) or "bf16" (codes: a bfloat16 weight
