@@ -29,6 +29,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger("pagellm")
 
 # level -> (-march value or None for the compiler's default, /proc/cpuinfo flags it needs)
@@ -133,6 +135,38 @@ def build_and_load(source: Path, flags: list[str], what: str,
                     logging.WARNING)
     _status[what] = f"built ({level}: {' '.join(isa_flags(level)) or 'compiler default'})"
     return library
+
+
+class KernelLibrary:
+    """One compiled kernel library: built and loaded on first use (``load()``: the library,
+    or None after a failed build; tried once), and a grow-only float32 workspace
+    (``scratch``), so that steps do not page-fault a fresh buffer in every call. Subclasses
+    build, declare and check their library in ``build()``.
+
+    ``level`` is the ISA level built for (ISA_LEVELS; None: isa_level()).
+    """
+
+    def __init__(self, level: str | None = None) -> None:
+        self.level = level
+        self.library: ctypes.CDLL | None = None
+        self.tried = False
+        self.workspace = torch.empty(0)
+
+    def load(self) -> ctypes.CDLL | None:
+        if not self.tried:
+            self.tried = True
+            self.library = self.build()
+        return self.library
+
+    def build(self) -> ctypes.CDLL | None:
+        raise NotImplementedError
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        """At least ``numel`` floats (written through their pointer by the kernels: the
+        buffer may have been grown under inference mode)."""
+        if self.workspace.numel() < numel:
+            self.workspace = torch.empty(int(numel * 1.25) + 1024)
+        return self.workspace
 
 
 def _off(what: str, why: str, level: int) -> None:

@@ -44,8 +44,8 @@ class _DecodeArgs(ctypes.Structure):
         + [("scale", ctypes.c_float), ("lut", ctypes.c_void_p)])
 
 
-class _Kernel:
-    """The loaded library (or None after a failed build) and a reusable float32 workspace.
+class _Kernel(native.KernelLibrary):
+    """paged_decode.c loaded (or None after a failed build) and a reusable float32 workspace.
 
     ``level`` is the ISA level built for (pagellm.native.ISA_LEVELS; None: native.isa_level());
     ``portable`` builds the plain-C inner loops only (no AVX-512 intrinsics), as a CPU
@@ -53,22 +53,11 @@ class _Kernel:
     """
 
     def __init__(self, level: str | None = None, portable: bool = False) -> None:
-        self.level, self.portable = level, portable
-        self.library: ctypes.CDLL | None = None
-        self.tried = False
-        self.workspace = torch.empty(0)
+        super().__init__(level)
+        self.portable = portable
 
-    def load(self) -> ctypes.CDLL | None:
-        if not self.tried:
-            self.tried = True
-            self.library = _build_and_load(self.level, self.portable)
-        return self.library
-
-    def scratch(self, numel: int) -> torch.Tensor:
-        """Grow-only, so that steps do not page-fault a fresh buffer in every layer."""
-        if self.workspace.numel() < numel:
-            self.workspace = torch.empty(int(numel * 1.25) + 1024)
-        return self.workspace
+    def build(self) -> ctypes.CDLL | None:
+        return _build_and_load(self.level, self.portable)
 
 
 _KERNEL = _Kernel()

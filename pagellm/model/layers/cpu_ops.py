@@ -47,7 +47,7 @@ class _SiluArgs(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("rows", "n", "row_stride", "num_threads")])
 
 
-class _Library:
+class _Library(native.KernelLibrary):
     """cpu_ops.c, built on first use, and which of its ops reproduce the torch ops here.
 
     ``lanes`` is torch's float32 sum vector width (0: unknown, and then RMSNorm stays off).
@@ -58,30 +58,20 @@ class _Library:
     """
 
     def __init__(self, level: str | None = None) -> None:
-        self.level = level  # ISA level (pagellm.native); None: native.isa_level()
-        self.library: ctypes.CDLL | None = None
-        self.tried = False
+        super().__init__(level)
         self.lanes = 0
         self.enabled: set[tuple[str, torch.dtype]] = set()
-        self.workspace = torch.empty(0)  # float32 scratch of rms_norm, grow-only
 
-    def scratch(self, numel: int) -> torch.Tensor:
-        if self.workspace.numel() < numel:
-            self.workspace = torch.empty(numel)
-        return self.workspace
-
-    def load(self) -> ctypes.CDLL | None:
-        if not self.tried:
-            self.tried = True
-            what = WHAT + (f" [{self.level}]" if self.level else "")
-            library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
-            if library is not None:
-                _declare(library)
-                self.library = library
-                self.lanes = _torch_sum_lanes(library)
-                self.enabled = _verified_ops(self.lanes)
-                self.library = library if self.enabled else None
-        return self.library
+    def build(self) -> ctypes.CDLL | None:
+        what = WHAT + (f" [{self.level}]" if self.level else "")
+        library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
+        if library is None:
+            return None
+        _declare(library)
+        self.library = library  # the checks below call the ops through load()
+        self.lanes = _torch_sum_lanes(library)
+        self.enabled = _verified_ops(self.lanes)
+        return library if self.enabled else None
 
 
 _LIBRARY = _Library()

@@ -42,34 +42,21 @@ class _Args(ctypes.Structure):
                    ("bias", ctypes.c_void_p)])
 
 
-class _Library:
-    """The built library (None after a failed build) and a grow-only float32 workspace."""
+class _Library(native.KernelLibrary):
+    """quant_matmul.c loaded (None after a failed build) and a grow-only float32 workspace."""
 
-    def __init__(self, level: str | None = None) -> None:
-        self.level = level
-        self.library: ctypes.CDLL | None = None
-        self.tried = False
-        self.workspace = torch.empty(0)
-
-    def load(self) -> ctypes.CDLL | None:
-        if not self.tried:
-            self.tried = True
-            what = WHAT + (f" [{self.level}]" if self.level else "")
-            self.library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
-            if self.library is not None:
-                for name in ("int4_matmul", "int8_matmul", "bf16_matmul"):
-                    getattr(self.library, name).argtypes = [ctypes.POINTER(_Args)]
-                    getattr(self.library, name).restype = None
-                for name in ("int4_dequantize", "int8_dequantize"):
-                    getattr(self.library, name).argtypes = [
-                        ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-                    getattr(self.library, name).restype = None
-        return self.library
-
-    def scratch(self, numel: int) -> torch.Tensor:
-        if self.workspace.numel() < numel:
-            self.workspace = torch.empty(int(numel * 1.25) + 1024)
-        return self.workspace
+    def build(self) -> ctypes.CDLL | None:
+        what = WHAT + (f" [{self.level}]" if self.level else "")
+        library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
+        if library is not None:
+            for name in ("int4_matmul", "int8_matmul", "bf16_matmul"):
+                getattr(library, name).argtypes = [ctypes.POINTER(_Args)]
+                getattr(library, name).restype = None
+            for name in ("int4_dequantize", "int8_dequantize"):
+                getattr(library, name).argtypes = [
+                    ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+                getattr(library, name).restype = None
+        return library
 
 
 _LIBRARY = _Library()
