@@ -115,17 +115,11 @@ class Linear(nn.Module):
 
     def _float32_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """F.linear of the bfloat16 values in float32, rounded once (as bfloat16 matmuls
-        round): the weight converted ~1 MB of float32 at a time, so that the converted rows
-        are read back from the cache, not from memory (a whole-weight conversion cost more
-        than the matmul for a 32000-row lm_head)."""
-        chunk = max(16, (1 << 18) // self.in_features)
-        xt = x.reshape(-1, self.in_features).float().t()  # [in_features, rows]
-        out = torch.empty(self.out_features, xt.shape[1])
-        for start in range(0, self.out_features, chunk):
-            torch.mm(self.weight[start:start + chunk].float(), xt, out=out[start:start + chunk])
-        if bias is not None:
-            out += bias.float()[:, None]
-        return out.t().to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        round), the weight converted a cache-sized slice at a time."""
+        out = quant_matmul.sliced_float32_gemm(
+            x.reshape(-1, self.in_features), self.out_features,
+            lambda start, count: self.weight[start:start + count].float(), bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def pack(self, keep_weight: bool = False) -> bool:
         """Re-lay the loaded weight out for oneDNN's CPU GEMM; False where that is unavailable.

@@ -17,6 +17,7 @@ kernels.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,7 +44,10 @@ class _Args(ctypes.Structure):
 
 
 class _Library(native.KernelLibrary):
-    """quant_matmul.c loaded (None after a failed build) and a grow-only float32 workspace."""
+    """quant_matmul.c loaded (None after a failed build), its features (bit 0: AVX2 loops,
+    bit 1: an AVX-512 build) and a grow-only float32 workspace."""
+
+    features = 0
 
     def build(self) -> ctypes.CDLL | None:
         what = WHAT + (f" [{self.level}]" if self.level else "")
@@ -56,6 +60,7 @@ class _Library(native.KernelLibrary):
                 getattr(library, name).argtypes = [
                     ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
                 getattr(library, name).restype = None
+            self.features = library.quant_matmul_features()
         return library
 
 
@@ -72,8 +77,7 @@ def preferred() -> bool:
     on CPUs with AVX-512. There torch's int4/int8 kernels have AVX-512 loops and were measured
     at least as fast (docs/BENCHMARKS.md), and these have none; group-wise int8, which torch
     has no kernel for, runs here wherever they are built."""
-    library = _LIBRARY.load()
-    return library is not None and not library.quant_matmul_features() & 2
+    return _LIBRARY.load() is not None and not _LIBRARY.features & 2
 
 
 def describe() -> str:
@@ -84,7 +88,7 @@ def describe() -> str:
     if not preferred():
         return ("torch's weight-only kernels (AVX-512 CPU); compiled ones for group-wise "
                 "int8")
-    loops = "AVX2+FMA" if library.quant_matmul_features() & 1 else "plain C"
+    loops = "AVX2+FMA" if _LIBRARY.features & 1 else "plain C"
     return f"compiled, {native.status()[WHAT]}; {loops} loops"
 
 
@@ -171,22 +175,41 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor,
           codes: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Many rows: float32 GEMMs on dequantized slices of W, each small enough to be read back
-    from the cache, the result rounded once to x's dtype."""
-    out_features, in_features = args.out_features, args.in_features
-    chunk = max(16, _SLICE_FLOATS // in_features)
-    slice_ = _LIBRARY.scratch(chunk * in_features)
-    xt = rows.float().t()  # [K, rows]
-    out = torch.empty(out_features, rows.shape[0])  # transposed: each slice's rows contiguous
+    """Many rows: float32 GEMMs on dequantized slices of W (sliced_float32_gemm)."""
+    in_features = args.in_features
+    if kind == "bf16":
+        return sliced_float32_gemm(rows, args.out_features,
+                                   lambda start, count: codes[start:start + count].float(), bias)
+    workspace = _LIBRARY.scratch(_slice_rows(in_features) * in_features)
+    dequantize = getattr(library, f"{kind}_dequantize")
+
+    def dequantized(start: int, count: int) -> torch.Tensor:
+        # into the shared workspace through its pointer (it may be an inference tensor)
+        dequantize(ctypes.byref(args), start, count, workspace.data_ptr())
+        return workspace[:count * in_features].view(count, in_features)
+
+    return sliced_float32_gemm(rows, args.out_features, dequantized, bias)
+
+
+def sliced_float32_gemm(rows: torch.Tensor, out_features: int,
+                        weight_rows: Callable[[int, int], torch.Tensor],
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [M, K] @ W^T (+ bias) in float32, rounded once to rows' dtype, with W [N, K]
+    produced ~1 MB of float32 at a time by ``weight_rows(start, count)`` ([count, K] float32):
+    each slice is read back from the cache by the GEMM, not from memory (a whole-weight
+    conversion cost more than the matmul for a 32000-row lm_head)."""
+    in_features = rows.shape[-1]
+    chunk = _slice_rows(in_features)
+    xt = rows.reshape(-1, in_features).float().t()  # [K, M]
+    out = torch.empty(out_features, xt.shape[1])  # transposed: each slice's rows contiguous
     for start in range(0, out_features, chunk):
         count = min(chunk, out_features - start)
-        if kind == "bf16":
-            weight = codes[start:start + count].float()
-        else:  # into the shared workspace, through its pointer (it may be an inference tensor)
-            getattr(library, f"{kind}_dequantize")(ctypes.byref(args), start, count,
-                                                    slice_.data_ptr())
-            weight = slice_[:count * in_features].view(count, in_features)
-        torch.mm(weight, xt, out=out[start:start + count])
+        torch.mm(weight_rows(start, count), xt, out=out[start:start + count])
     if bias is not None:
-        out += bias[:, None]
+        out += bias.float()[:, None]
     return out.t().to(rows.dtype)
+
+
+def _slice_rows(in_features: int) -> int:
+    """Rows of W per float32 slice of sliced_float32_gemm."""
+    return max(16, _SLICE_FLOATS // in_features)

@@ -57,6 +57,9 @@ class Int8Weight(nn.Module):
             raise ValueError(f"int8 scales of shape {tuple(scale.shape)}, expected {expected}")
         self.register_buffer("q", q.contiguous())
         self.register_buffer("scale", scale.contiguous())
+        # torch's kernel takes one scale per row; ours run group-wise scales wherever built
+        self.compiled = quant_matmul.preferred() or (
+            scale.dim() == 2 and quant_matmul.available())
         self._matmul = quant_matmul.QuantizedMatmul("int8", self.q, self.scale, self.group_size)
 
     @classmethod
@@ -65,10 +68,10 @@ class Int8Weight(nn.Module):
         return cls(*int8_quantize(weight, dtype or weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scale.dim() == 1 and not quant_matmul.preferred():
-            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
-        if quant_matmul.available():
+        if self.compiled:
             return self._matmul(x)
+        if self.scale.dim() == 1:
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
         return F.linear(x.float(), self.dequantized()).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
