@@ -12,7 +12,8 @@
   variant's own top token is the baseline's).
 - ``attention``: 12 layers of decode attention of the "small" model (12 query / 4 KV heads,
   head_dim 64, block 16) at 64 x 512 and 128 x 512 per KV dtype: the compiled kernel
-  (bfloat16 cache: its bfloat16 loops; 8-bit: the int8 / fp8-table loops).
+  (bfloat16 cache: its bfloat16 loops; 8-bit: the int8 / fp8 loops), the dtypes interleaved
+  pass by pass, the fastest of --iters passes each, and its time over auto's.
 - ``kv-memory``: one KV byte budget, one workload (seed 0, prompts 32-256, outputs 64-192,
   EOS ignored) on the "small" model per kv_cache_dtype: peak concurrent sequences (running,
   per step) and output tokens/s.
@@ -55,7 +56,9 @@ def default_gguf() -> str:
     return str(path)
 
 
-def attention(num_seqs: int, context: int, kv_dtype: str, iters: int) -> dict:
+def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
+    """Every KV dtype's 12 layers at num_seqs x context, the dtypes interleaved pass by pass
+    (so that a slow phase of the machine hits all of them), the fastest of ``iters`` passes."""
     heads, kv_heads, head_dim, layers, block = 12, 4, 64, 12, 16
     gen = torch.Generator().manual_seed(0)
     per_seq = -(-context // block)
@@ -63,41 +66,55 @@ def attention(num_seqs: int, context: int, kv_dtype: str, iters: int) -> dict:
     tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * per_seq].view(
         num_seqs, per_seq).tolist()
     decode = AttentionMetadata.build([1] * num_seqs, [context] * num_seqs, tables, block).decode
-    fmt = kv_quant.kv_format(kv_dtype)
-    row = head_dim + (kv_quant.SCALE_BYTES if fmt else 0)
-    shape = (num_blocks, block, kv_heads, row)
-
-    def cache() -> torch.Tensor:
-        data = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
-        if fmt is None:
-            return _allocate_zeroed(shape, torch.bfloat16, torch.device("cpu")).copy_(data)
-        return _allocate_zeroed(shape, torch.uint8, torch.device("cpu")).copy_(
-            kv_quant.quantize(data, fmt))
-
-    caches = [(cache(), cache()) for _ in range(layers)]
     query = torch.randn(num_seqs, heads, head_dim, generator=gen).to(torch.bfloat16)
     scale = head_dim ** -0.5
+    steps, row_bytes = {}, {}
+    for kv_dtype in KV_DTYPES:
+        fmt = kv_quant.kv_format(kv_dtype)
+        row = head_dim + (kv_quant.SCALE_BYTES if fmt else 0)
+        shape = (num_blocks, block, kv_heads, row)
 
-    def step() -> None:
-        for k_cache, v_cache in caches:
+        def cache(fmt=fmt, shape=shape) -> torch.Tensor:
+            data = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
             if fmt is None:
-                _decode(query, k_cache, v_cache, decode, scale, None)
-            else:
-                cpu_kernel.paged_decode_attention_quantized(
-                    query, kv_quant.QuantizedKVCache(k_cache, v_cache, fmt),
-                    decode.block_pairs(), decode.seq_lens, decode.max_seq_len, scale)
+                return _allocate_zeroed(shape, torch.bfloat16, torch.device("cpu")).copy_(data)
+            return _allocate_zeroed(shape, torch.uint8, torch.device("cpu")).copy_(
+                kv_quant.quantize(data, fmt))
 
-    times = []
-    for _ in range(iters + 1):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    # the fastest pass: this machine is shared, and other load only ever adds time
-    ms, median = min(times[1:]) * 1e3, statistics.median(times[1:]) * 1e3
-    kv_bytes = 2 * layers * num_seqs * context * kv_heads * (row if fmt else head_dim * 2)
-    return {"kv_cache_dtype": kv_dtype, "num_seqs": num_seqs, "context": context,
-            "ms_12_layers": round(ms, 2), "median_ms": round(median, 2), "kv_bytes": kv_bytes,
-            "gb_per_s": round(kv_bytes / ms / 1e6, 1)}
+        caches = [(cache(), cache()) for _ in range(layers)]
+
+        def step(caches=caches, fmt=fmt) -> None:
+            for k_cache, v_cache in caches:
+                if fmt is None:
+                    _decode(query, k_cache, v_cache, decode, scale, None)
+                else:
+                    cpu_kernel.paged_decode_attention_quantized(
+                        query, kv_quant.QuantizedKVCache(k_cache, v_cache, fmt),
+                        decode.block_pairs(), decode.seq_lens, decode.max_seq_len, scale)
+
+        steps[kv_dtype] = step
+        row_bytes[kv_dtype] = row if fmt else head_dim * 2
+    times: dict[str, list[float]] = {kv_dtype: [] for kv_dtype in KV_DTYPES}
+    for i in range(iters + 1):
+        print(f"attention: {num_seqs} x {context}, pass {i + 1}/{iters + 1}", file=sys.stderr,
+              flush=True)
+        for kv_dtype, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[kv_dtype].append(time.perf_counter() - start)
+    runs = []
+    for kv_dtype in KV_DTYPES:
+        # the fastest pass (the first is a warm-up): other load only ever adds time
+        ms = min(times[kv_dtype][1:]) * 1e3
+        median = statistics.median(times[kv_dtype][1:]) * 1e3
+        kv_bytes = 2 * layers * num_seqs * context * kv_heads * row_bytes[kv_dtype]
+        runs.append({"kv_cache_dtype": kv_dtype, "num_seqs": num_seqs, "context": context,
+                     "ms_12_layers": round(ms, 2), "median_ms": round(median, 2),
+                     "kv_bytes": kv_bytes, "gb_per_s": round(kv_bytes / ms / 1e6, 1)})
+    auto = runs[0]["ms_12_layers"]
+    for run in runs:
+        run["vs_auto"] = round(run["ms_12_layers"] / auto, 2)
+    return runs
 
 
 def kv_memory(model: str, budget: int, num_requests: int, seeds: list[int]) -> dict:
@@ -244,8 +261,7 @@ def main() -> None:
         result = quality(args.model or default_gguf(), args.prompts, args.new_tokens,
                          args.group_size)
     elif args.mode == "attention":
-        result = {"runs": [attention(n, 512, d, args.iters) for n in (64, 128)
-                           for d in KV_DTYPES]}
+        result = {"runs": [run for n in (64, 128) for run in attention(n, 512, args.iters)]}
     elif args.mode == "kv-memory":
         result = kv_memory(args.model or resolve_model("small"), args.budget, args.requests,
                            [int(seed) for seed in args.seeds.split(",")])

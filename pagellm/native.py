@@ -37,8 +37,8 @@ logger = logging.getLogger("pagellm")
 ISA_LEVELS: dict[str, tuple[str | None, frozenset[str]]] = {
     "native": ("native", frozenset()),
     "x86-64-v4": ("x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq",
-                                          "avx512vl", "avx2", "fma"})),  # AVX-512, no BF16
-    "x86-64-v3": ("x86-64-v3", frozenset({"avx2", "fma", "bmi2", "movbe"})),  # AVX2
+                                          "avx512vl", "avx2", "fma", "f16c"})),  # no BF16
+    "x86-64-v3": ("x86-64-v3", frozenset({"avx2", "fma", "f16c", "bmi2", "movbe"})),  # AVX2
     "x86-64-v2": ("x86-64-v2", frozenset({"sse4_2", "ssse3", "popcnt"})),
     "generic": (None, frozenset()),
 }

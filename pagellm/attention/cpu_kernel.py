@@ -4,8 +4,8 @@ Why: a decode step must read every cached K/V of every sequence once. The pure-t
 (torch_backend.decode_attention) first gathers the context through the block tables into a
 contiguous copy and then attends over it, so K/V cross memory three times; this kernel reads
 them in place, once, in ascending physical-block order, with AVX-512 inner loops (bfloat16 dot
-products where the CPU has them) and plain-C ones elsewhere. Its C source is paged_decode.c,
-next to this file. It is an accelerator, not a requirement: without a C compiler, on other
+products where the CPU has them), AVX2 ones on CPUs without AVX-512, and plain-C ones
+elsewhere. Its C source is paged_decode.c, next to this file. It is an accelerator, not a requirement: without a C compiler, on other
 devices, for float16, or with ``PAGELLM_CPU_KERNELS=0`` the torch path runs, and the tests hold
 all three to one reference.
 
@@ -13,8 +13,8 @@ It is compiled for the ISA level of pagellm.native (``-march=native`` unless
 ``$PAGELLM_CPU_ISA`` says otherwise) with ``-fopenmp`` and cached by pagellm.native, which says
 where and how; its OpenMP threads are torch's. Which inner loops a build has depends on the
 instructions the compiler was allowed: AVX-512 (``__AVX512F__``) for float32, AVX-512 with
-``avx512_bf16`` for bfloat16 dot products, plain C (auto-vectorised for whatever the level
-has: AVX2, SSE, NEON) otherwise.
+``avx512_bf16`` for bfloat16 dot products, AVX2 + FMA + F16C (x86-64-v3) for what those
+leave out, plain C (auto-vectorised for whatever the level has: SSE, NEON) otherwise.
 """
 from __future__ import annotations
 
@@ -73,13 +73,17 @@ def supports(query: torch.Tensor) -> bool:
     return query.is_cpu and query.dtype in _SUFFIX and available()
 
 
-def vector_paths() -> dict[str, bool]:
-    """Which dtypes the loaded build runs with AVX-512 inner loops (head_dim % 32 == 0);
+def vector_paths() -> dict[str, str]:
+    """The inner loops the loaded build runs per cache dtype (head_dim % 32 == 0, at most
+    256; other shapes take the plain-C loops): ``AVX-512`` (bfloat16: ``AVX-512 BF16``, its
+    dot-product instructions), else ``AVX2`` where the CPU has it, else ``plain C``.
     ``8-bit`` is the int8 / fp8 caches' (kv_quant.py)."""
     library = _KERNEL.load()
     features = library.paged_decode_features() if library is not None else 0
-    return {"float32": bool(features & 1), "bfloat16": bool(features & 2),
-            "8-bit": bool(features & 4)}
+    avx2 = "AVX2" if features & 8 else "plain C"
+    return {"float32": "AVX-512" if features & 1 else avx2,
+            "bfloat16": "AVX-512 BF16" if features & 2 else avx2,
+            "8-bit": "AVX-512" if features & 4 else avx2}
 
 
 def describe() -> str:
@@ -87,9 +91,7 @@ def describe() -> str:
     library = _KERNEL.load()
     if library is None:
         return f"torch (gather + scaled_dot_product_attention; kernel {native.status()[_WHAT]})"
-    paths = vector_paths()
-    loops = ", ".join(f"{dtype} {'AVX-512' + (' BF16' if dtype == 'bfloat16' else '')}"
-                      if vector else f"{dtype} plain C" for dtype, vector in paths.items())
+    loops = ", ".join(f"{dtype} {kind}" for dtype, kind in vector_paths().items())
     return f"compiled paged kernel, {native.status()[_WHAT]}; {loops}"
 
 

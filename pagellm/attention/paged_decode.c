@@ -23,6 +23,9 @@
      reduced together by a transposing add tree (one horizontal sum per key costs more than
      the dot product); bfloat16 uses the CPU's bfloat16 dot-product instruction where it has
      one (AVX512-BF16: products exact, sums in float32), two keys per instruction in pass 2;
+   - AVX2 + FMA + F16C without AVX-512, and for bfloat16 on AVX-512 CPUs without
+     AVX512-BF16 (same shapes): each K/V row converted to float32 in registers once for up
+     to 3 query heads, float32 FMAs (see "AVX2 inner loops");
    - portable C otherwise (any head_dim; -DPAGELLM_PORTABLE forces it, so tests cover both).
    head_dim 64 and 128 and group sizes 1, 2, 3, 4 and 8 are compiled with constant trip
    counts; other shapes take a generic instance. */
@@ -36,8 +39,19 @@
 #define USE_AVX512_BF16 1
 #endif
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PAGELLM_PORTABLE)
+#include <immintrin.h>
+#define USE_AVX2 1
+#ifndef USE_AVX512
+#define USE_AVX2_F32 1  /* float32 and 8-bit caches: without AVX-512 */
+#endif
+#ifndef USE_AVX512_BF16
+#define USE_AVX2_BF16 1 /* bfloat16: without AVX512-BF16 */
+#endif
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
+#define TILE_KEYS 32 /* the 8-bit kernels' keys per (block, KV head) step */
 
 typedef uint16_t bf16_t;
 
@@ -294,6 +308,195 @@ INLINE __m512 exp512_u20(__m512 x) { /* exp_u20, 16 at a time */
 }
 #endif
 
+/* ---- AVX2 inner loops ------------------------------------------------------------------
+   For CPUs with AVX2, FMA and F16C but no AVX-512, and for the bfloat16 cache where AVX-512
+   lacks AVX512-BF16 (head_dim a multiple of 32, at most 256).
+   Each key row is converted to float32 eight values at a time in registers (bfloat16 by a
+   shift, int8 by sign extension, fp8 through float16 as below) and used there for up to 3
+   query heads of its KV head (head_chunk): no tile, no copy. Products of bfloat16 (or 8-bit)
+   values are exact in float32 and the sums are float32, as in the AVX-512 loops.
+   - Scores: 4 keys x (up to) 3 heads of 8-lane partial sums, reduced 4 keys at a time by a
+     transposing add tree (sum4).
+   - Weighted sum: 16 dimensions x (up to) 3 heads of accumulators, even and odd keys in two
+     sets (two FMA chains), each weight broadcast from float32: the bfloat16 kernel rounds
+     its weights in place (softmax_rows), the 8-bit ones take them times the rows' scales. */
+#ifdef USE_AVX2
+INLINE __m256 cvt8_f32(const float* r, int64_t c) { return _mm256_loadu_ps(r + 8 * c); }
+INLINE __m256 cvt8_bf16(const bf16_t* r, int64_t c) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(r + 8 * c))), 16));
+}
+INLINE __m128i load8(const uint8_t* r, int64_t c) {
+  return _mm_loadl_epi64((const __m128i*)(r + 8 * c));
+}
+INLINE __m256 cvt8_int8(const uint8_t* r, int64_t c) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(r, c)));
+}
+INLINE __m256 cvt8_e5m2(const uint8_t* r, int64_t c) { /* the high byte of a float16 */
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(load8(r, c)), 8));
+}
+INLINE __m256 cvt8_e4m3(const uint8_t* r, int64_t c) { /* the value times 2^-8 (cvt_e4m3) */
+  const __m128i x = _mm_slli_epi16(_mm_cvtepi8_epi16(load8(r, c)), 7);
+  return _mm256_cvtph_ps(_mm_and_si128(x, _mm_set1_epi16((short)0xBF80)));
+}
+INLINE float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+/* The horizontal sums of a0..a3. */
+INLINE __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  /* per 128-bit half: (a0, a1) lane pairs summed, then (a2, a3), then the halves */
+  const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+  const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+  const __m256d x = _mm256_castps_pd(s01), y = _mm256_castps_pd(s23);
+  const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                                 _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+INLINE float no_row_scale(const void* row, int64_t D) { (void)row; (void)D; return 1.0f; }
+/* Query heads per chunk of the AVX2 loops, for the `left` heads not done yet: 3 (the most
+   whose accumulators fit the 16 registers), but 2 + 2 rather than 3 + 1. */
+INLINE int64_t head_chunk(int64_t left) { return left >= 3 && left != 4 ? 3 : left < 2 ? 1 : 2; }
+
+/* out_g[i] = scale * rs_i * (qf_g . k_i) for GN (<= 3) float32 query rows qf_g = qf + g * D
+   and the n rows k_i = k + i * ks with scales rs_i = RSCALE(k_i); out_g = out + g * os. */
+#define DEFINE_AVX2_SCORE_HEADS(NAME, T, CVT, RSCALE)                                        \
+INLINE void NAME(const float* restrict qf, const T* restrict k, int64_t ks, int64_t n,       \
+                 float scale, float* restrict out, int64_t os, const int64_t D,              \
+                 const int64_t GN) {                                                         \
+  int64_t i = 0;                                                                             \
+  for (; i + 4 <= n; i += 4) {                                                               \
+    __m256 acc[3][4];                                                                        \
+    for (int64_t g = 0; g < GN; g++)                                                         \
+      for (int u = 0; u < 4; u++) acc[g][u] = _mm256_setzero_ps();                           \
+    _Pragma("GCC unroll 8")                                                                  \
+    for (int64_t c = 0; c < D / 8; c++) {                                                    \
+      __m256 qc[3];                                                                          \
+      for (int64_t g = 0; g < GN; g++) qc[g] = _mm256_loadu_ps(qf + g * D + 8 * c);         \
+      for (int u = 0; u < 4; u++) {                                                          \
+        const __m256 x = CVT(k + (i + u) * ks, c);                                           \
+        for (int64_t g = 0; g < GN; g++) acc[g][u] = _mm256_fmadd_ps(qc[g], x, acc[g][u]);   \
+      }                                                                                      \
+    }                                                                                        \
+    const __m128 s = _mm_mul_ps(_mm_set1_ps(scale), _mm_setr_ps(                             \
+        RSCALE(k + i * ks, D), RSCALE(k + (i + 1) * ks, D), RSCALE(k + (i + 2) * ks, D),     \
+        RSCALE(k + (i + 3) * ks, D)));                                                       \
+    for (int64_t g = 0; g < GN; g++)                                                         \
+      _mm_storeu_ps(out + g * os + i,                                                        \
+                    _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), s));        \
+  }                                                                                          \
+  for (; i < n; i++) {                                                                       \
+    __m256 acc[3];                                                                           \
+    for (int64_t g = 0; g < GN; g++) acc[g] = _mm256_setzero_ps();                           \
+    for (int64_t c = 0; c < D / 8; c++) {                                                    \
+      const __m256 x = CVT(k + i * ks, c);                                                   \
+      for (int64_t g = 0; g < GN; g++)                                                       \
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * D + 8 * c), x, acc[g]);            \
+    }                                                                                        \
+    for (int64_t g = 0; g < GN; g++)                                                         \
+      out[g * os + i] = hsum8(acc[g]) * (scale * RSCALE(k + i * ks, D));                     \
+  }                                                                                          \
+}
+
+/* The same for G query heads of query dtype QT (rows q + g * D), head_chunk() at a time: each
+   chunk's rows converted to float32 once (QCVT), then HEADS with a literal head count. */
+#define DEFINE_AVX2_SCORE(NAME, QT, QCVT, T, HEADS)                                          \
+INLINE void NAME(const QT* restrict q, const T* restrict k, int64_t ks, int64_t n,           \
+                 float scale, float* restrict out, int64_t os, const int64_t D,              \
+                 const int64_t G) {                                                          \
+  float qf[3 * 256];                                                                         \
+  for (int64_t g0 = 0, gn; g0 < G; g0 += gn) {                                              \
+    gn = head_chunk(G - g0);                                                                 \
+    for (int64_t g = 0; g < gn; g++)                                                         \
+      for (int64_t c = 0; c < D / 8; c++)                                                    \
+        _mm256_storeu_ps(qf + g * D + 8 * c, QCVT(q + (g0 + g) * D, c));                     \
+    if (gn == 3) HEADS(qf, k, ks, n, scale, out + g0 * os, os, D, 3);                        \
+    else if (gn == 2) HEADS(qf, k, ks, n, scale, out + g0 * os, os, D, 2);                   \
+    else HEADS(qf, k, ks, n, scale, out + g0 * os, os, D, 1);                                \
+  }                                                                                          \
+}
+
+/* acc_g += sum_i w_g[i] v_i for GN (<= 3) heads: w_g = w + g * ws (float32), the n rows
+   v_i = v + i * vs, acc_g = acc + g * D; 16 dimensions at a time. */
+#define DEFINE_AVX2_VALUE_HEADS(NAME, T, CVT)                                                \
+INLINE void NAME(const float* restrict w, int64_t ws, const T* restrict v, int64_t vs,       \
+                 int64_t n, float* restrict acc, const int64_t D, const int64_t GN) {        \
+  for (int64_t dc = 0; dc < D; dc += 16) {                                                   \
+    __m256 a0[2][3], a1[2][3]; /* even and odd keys: two FMA chains per accumulator */       \
+    for (int64_t g = 0; g < GN; g++) {                                                       \
+      a0[0][g] = _mm256_loadu_ps(acc + g * D + dc);                                          \
+      a1[0][g] = _mm256_loadu_ps(acc + g * D + dc + 8);                                      \
+      a0[1][g] = a1[1][g] = _mm256_setzero_ps();                                             \
+    }                                                                                        \
+    int64_t i = 0;                                                                           \
+    for (; i + 2 <= n; i += 2)                                                               \
+      for (int e = 0; e < 2; e++) {                                                          \
+        const T* r = v + (i + e) * vs;                                                       \
+        const __m256 x0 = CVT(r, dc / 8), x1 = CVT(r, dc / 8 + 1);                           \
+        for (int64_t g = 0; g < GN; g++) {                                                   \
+          const __m256 wg = _mm256_broadcast_ss(w + g * ws + i + e);                         \
+          a0[e][g] = _mm256_fmadd_ps(wg, x0, a0[e][g]);                                      \
+          a1[e][g] = _mm256_fmadd_ps(wg, x1, a1[e][g]);                                      \
+        }                                                                                    \
+      }                                                                                      \
+    if (i < n) {                                                                             \
+      const T* r = v + i * vs;                                                               \
+      const __m256 x0 = CVT(r, dc / 8), x1 = CVT(r, dc / 8 + 1);                             \
+      for (int64_t g = 0; g < GN; g++) {                                                     \
+        const __m256 wg = _mm256_broadcast_ss(w + g * ws + i);                               \
+        a0[0][g] = _mm256_fmadd_ps(wg, x0, a0[0][g]);                                        \
+        a1[0][g] = _mm256_fmadd_ps(wg, x1, a1[0][g]);                                        \
+      }                                                                                      \
+    }                                                                                        \
+    for (int64_t g = 0; g < GN; g++) {                                                       \
+      _mm256_storeu_ps(acc + g * D + dc, _mm256_add_ps(a0[0][g], a0[1][g]));                 \
+      _mm256_storeu_ps(acc + g * D + dc + 8, _mm256_add_ps(a1[0][g], a1[1][g]));             \
+    }                                                                                        \
+  }                                                                                          \
+}
+/* For G heads, head_chunk() at a time. With SCALED (8-bit rows) the weights are first taken
+   times their row's scale (RSCALE), at most TILE_KEYS rows per call. */
+#define DEFINE_AVX2_VALUE(NAME, T, RSCALE, SCALED, HEADS)                                    \
+INLINE void NAME(const float* restrict w, int64_t ws, const T* restrict v, int64_t vs,       \
+                 int64_t n, float* restrict acc, const int64_t D, const int64_t G) {         \
+  for (int64_t g0 = 0, gn; g0 < G; g0 += gn) {                                              \
+    gn = head_chunk(G - g0);                                                                 \
+    const float* wg = w + g0 * ws;                                                           \
+    int64_t wgs = ws;                                                                        \
+    float wt[SCALED ? 3 * TILE_KEYS : 1];                                                    \
+    if (SCALED) {                                                                            \
+      float rs[TILE_KEYS];                                                                   \
+      for (int64_t i = 0; i < n; i++) rs[i] = RSCALE(v + i * vs, D);                         \
+      for (int64_t g = 0; g < gn; g++)                                                       \
+        for (int64_t i = 0; i < n; i++) wt[g * TILE_KEYS + i] = wg[g * ws + i] * rs[i];      \
+      wg = wt;                                                                               \
+      wgs = TILE_KEYS;                                                                       \
+    }                                                                                        \
+    float* ag = acc + g0 * D;                                                                \
+    if (gn == 3) HEADS(wg, wgs, v, vs, n, ag, D, 3);                                         \
+    else if (gn == 2) HEADS(wg, wgs, v, vs, n, ag, D, 2);                                    \
+    else HEADS(wg, wgs, v, vs, n, ag, D, 1);                                                 \
+  }                                                                                          \
+}
+#endif
+
+#ifdef USE_AVX2
+INLINE __m256 exp256_u20(__m256 x) { /* exp_u20, 8 at a time, the same operations */
+#define K(c) _mm256_set1_ps(c)
+  const __m256 underflow = _mm256_cmp_ps(x, K(LN_FLT_MIN), _CMP_LT_OS);
+  x = _mm256_max_ps(x, K(LN_FLT_MIN));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, K(1.44269502f), K(0.5f)));
+  const __m256 r = _mm256_fnmadd_ps(n, K(0.693147182f), x);
+  const __m256 p = EXP_POLY(_mm256_fmadd_ps, r);
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_sub_ps(n, K(1.0f))), _mm256_set1_epi32(127)), 23);
+  const __m256 two_n_minus_1 = _mm256_andnot_ps(underflow, _mm256_castsi256_ps(e));
+  return _mm256_mul_ps(_mm256_mul_ps(p, two_n_minus_1), K(2.0f));
+#undef K
+}
+#endif
+
 /* Softmax numerators of scores [start, len) in place; returns 1 / sum. */
 INLINE float softmax_row(float* restrict sc, int64_t start, int64_t len) {
   const int64_t vec_end = start + (len - start) / 16 * 16; /* exp_u20 before, expf after */
@@ -303,6 +506,12 @@ INLINE float softmax_row(float* restrict sc, int64_t start, int64_t len) {
   __m512 vmx = _mm512_set1_ps(mx);
   for (; j < vec_end; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sc + j));
   mx = _mm512_reduce_max_ps(vmx);
+#elif defined(USE_AVX2)
+  __m256 vmx = _mm256_set1_ps(mx);
+  for (; j < vec_end; j += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + j));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #endif
   for (; j < len; j++) mx = sc[j] > mx ? sc[j] : mx;
   j = start;
@@ -315,6 +524,15 @@ INLINE float softmax_row(float* restrict sc, int64_t start, int64_t len) {
     vsum = _mm512_add_ps(vsum, e);
   }
   sum = _mm512_reduce_add_ps(vsum);
+#elif defined(USE_AVX2)
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; j < vec_end; j += 8) {
+    const __m256 e = exp256_u20(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m));
+    _mm256_storeu_ps(sc + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = hsum8(vsum);
 #else
   for (; j < vec_end; j++) {
     const float e = exp_u20(sc[j] - mx);
@@ -340,9 +558,38 @@ INLINE void round_weights(const float* restrict sc, bf16_t* restrict w, int64_t 
   for (; j < len; j++) w[j] = store_bf16(sc[j]);
 }
 
+#ifdef USE_AVX2
+INLINE __m128i store8_bf16(__m256 x) { /* store_bf16 of 8 values */
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+#endif
+
+/* sc[j] = the float32 value of store_bf16(sc[j]) (the AVX2 value loop reads float32). The
+   softmax numerators are finite and non-negative: no NaN case. */
+INLINE void round_in_place(float* restrict sc, int64_t start, int64_t len) {
+  int64_t j = start;
+#ifdef USE_AVX2
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+  for (; j + 8 <= len; j += 8) {
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(sc + j));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    _mm256_storeu_ps(sc + j, _mm256_castsi256_ps(_mm256_and_si256(
+        _mm256_add_epi32(u, _mm256_add_epi32(half, odd)), high)));
+  }
+#endif
+  for (; j < len; j++) sc[j] = load_bf16(store_bf16(sc[j]));
+}
+
 /* Between the passes, on every thread: the softmax of every (sequence, query head) row, its
-   weights rounded to bfloat16 where the value loop reads them so (rounded), and the rows'
-   partial sums zeroed. */
+   weights rounded to bfloat16 where the value loop reads them so (rounded: 1 into the
+   bfloat16 array after the scores, 2 in place as float32), and the rows' partial sums
+   zeroed. */
 INLINE void softmax_rows(const decode_args* a, int64_t nt, int rounded) {
   const int64_t H = a->num_heads, rf = row_floats(a);
   _Pragma("omp barrier")
@@ -352,7 +599,8 @@ INLINE void softmax_rows(const decode_args* a, int64_t nt, int rounded) {
     const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
     float* row = a->workspace + r * rf;
     row[rf - 1] = softmax_row(row, start, len);
-    if (rounded) round_weights(row, (bf16_t*)(row + a->max_seq_len), start, len);
+    if (rounded == 1) round_weights(row, (bf16_t*)(row + a->max_seq_len), start, len);
+    if (rounded == 2) round_in_place(row, start, len);
     for (int64_t u = 0; u < nt; u++) memset(partial_sum(a, u, r), 0, a->head_dim * sizeof(float));
   }
 }
@@ -365,7 +613,17 @@ INLINE void reduce_rows(const decode_args* a, int64_t nt, int bf16_out) {
   _Pragma("omp for schedule(static)")
   for (int64_t r = 0; r < a->num_seqs * a->num_heads; r++) {
     const float inv_sum = a->workspace[r * rf + rf - 1];
-    for (int64_t d = 0; d < D; d++) {
+    int64_t d = 0;
+#ifdef USE_AVX2
+    for (; d + 8 <= D; d += 8) { /* as below, 8 at a time */
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t u = 0; u < nt; u++) sum = _mm256_add_ps(sum, _mm256_loadu_ps(partial_sum(a, u, r) + d));
+      sum = _mm256_mul_ps(sum, _mm256_set1_ps(inv_sum));
+      if (bf16_out) _mm_storeu_si128((__m128i*)((bf16_t*)a->out + r * D + d), store8_bf16(sum));
+      else _mm256_storeu_ps((float*)a->out + r * D + d, sum);
+    }
+#endif
+    for (; d < D; d++) {
       float sum = 0.0f;
       for (int64_t u = 0; u < nt; u++) sum += partial_sum(a, u, r)[d];
       if (bf16_out) ((bf16_t*)a->out)[r * D + d] = store_bf16(sum * inv_sum);
@@ -393,6 +651,33 @@ INLINE int64_t pair_keys(const decode_args* a, int64_t p, int64_t* lo) {
   *lo = start > first ? start - first : 0;
   return len - first < bs ? len - first : bs;
 }
+
+/* SCORE for G query heads (rows q + g * D, scores out + g * os) from a one-head ONE. */
+#define DEFINE_HEADS(NAME, T, ONE)                                                           \
+INLINE void NAME(const T* q, const T* k, int64_t ks, int64_t n, float scale, float* out,     \
+                 int64_t os, const int64_t D, const int64_t G) {                             \
+  for (int64_t g = 0; g < G; g++) ONE(q + g * D, k, ks, n, scale, out + g * os, D);          \
+}
+DEFINE_HEADS(heads_f32_portable, float, score_f32_portable)
+DEFINE_HEADS(heads_bf16_portable, bf16_t, score_bf16_portable)
+#ifdef USE_AVX512
+DEFINE_HEADS(heads_f32_avx512, float, score_f32_avx512)
+#endif
+#ifdef USE_AVX512_BF16
+DEFINE_HEADS(heads_bf16_avx512, bf16_t, score_bf16_avx512)
+#endif
+#ifdef USE_AVX2_F32
+DEFINE_AVX2_SCORE_HEADS(score_f32_avx2_heads, float, cvt8_f32, no_row_scale)
+DEFINE_AVX2_SCORE(score_f32_avx2, float, cvt8_f32, float, score_f32_avx2_heads)
+DEFINE_AVX2_VALUE_HEADS(value_f32_avx2_heads, float, cvt8_f32)
+DEFINE_AVX2_VALUE(value_f32_avx2, float, no_row_scale, 0, value_f32_avx2_heads)
+#endif
+#ifdef USE_AVX2_BF16
+DEFINE_AVX2_SCORE_HEADS(score_bf16_avx2_heads, bf16_t, cvt8_bf16, no_row_scale)
+DEFINE_AVX2_SCORE(score_bf16_avx2, bf16_t, cvt8_bf16, bf16_t, score_bf16_avx2_heads)
+DEFINE_AVX2_VALUE_HEADS(value_bf16_avx2_heads, bf16_t, cvt8_bf16)
+DEFINE_AVX2_VALUE(value_bf16_avx2, bf16_t, no_row_scale, 0, value_bf16_avx2_heads)
+#endif
 
 /* What one thread of the parallel region does, for one (dtype, inner loops). It is inlined
    inside each instance's parallel region below, where D and G are literals (OpenMP outlines
@@ -424,12 +709,11 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
           if (lo >= hi) continue;                                                            \
           float* row = rows + (s * H + h * G) * rf; /* query head h * G, then G - 1 more */  \
           if (pass == 0) {                                                                   \
-            for (int64_t g = 0; g < G; g++)                                                  \
-              SCORE((const T*)a->q + (s * H + h * G + g) * D, block + h * D, KVH * D,        \
-                    hi - lo, a->scale, row + g * rf + pos, D);                               \
+            SCORE((const T*)a->q + (s * H + h * G) * D, block + h * D, KVH * D, hi - lo,     \
+                  a->scale, row + pos, rf, D, G);                                            \
           } else {                                                                           \
-            const W* w = ROUNDED ? (const W*)(row + L) : (const W*)row;                      \
-            VALUE(w + pos, ROUNDED ? 2 * rf : rf, block + h * D, KVH * D, hi - lo,           \
+            const W* w = ROUNDED == 1 ? (const W*)(row + L) : (const W*)row;                 \
+            VALUE(w + pos, ROUNDED == 1 ? 2 * rf : rf, block + h * D, KVH * D, hi - lo,      \
                   partial_sum(a, t, s * H + h * G), D, G);                                   \
           }                                                                                  \
         }                                                                                    \
@@ -440,13 +724,19 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
   }                                                                                          \
 }
 
-DEFINE_KERNEL(kernel_f32_portable, float, float, score_f32_portable, value_f32_portable, 0)
-DEFINE_KERNEL(kernel_bf16_portable, bf16_t, bf16_t, score_bf16_portable, value_bf16_portable, 1)
+DEFINE_KERNEL(kernel_f32_portable, float, float, heads_f32_portable, value_f32_portable, 0)
+DEFINE_KERNEL(kernel_bf16_portable, bf16_t, bf16_t, heads_bf16_portable, value_bf16_portable, 1)
 #ifdef USE_AVX512
-DEFINE_KERNEL(kernel_f32_avx512, float, float, score_f32_avx512, value_f32_avx512, 0)
+DEFINE_KERNEL(kernel_f32_avx512, float, float, heads_f32_avx512, value_f32_avx512, 0)
 #endif
 #ifdef USE_AVX512_BF16
-DEFINE_KERNEL(kernel_bf16_avx512, bf16_t, bf16_t, score_bf16_avx512, value_bf16_avx512, 1)
+DEFINE_KERNEL(kernel_bf16_avx512, bf16_t, bf16_t, heads_bf16_avx512, value_bf16_avx512, 1)
+#endif
+#ifdef USE_AVX2_F32
+DEFINE_KERNEL(kernel_f32_avx2, float, float, score_f32_avx2, value_f32_avx2, 0)
+#endif
+#ifdef USE_AVX2_BF16
+DEFINE_KERNEL(kernel_bf16_avx2, bf16_t, float, score_bf16_avx2, value_bf16_avx2, 2)
 #endif
 
 /* Instances with literal head_dim (64, 128) and group size (1, 2, 3, 4, 8), so that inner
@@ -476,6 +766,12 @@ DISPATCH(run_f32_avx512, kernel_f32_avx512)
 #ifdef USE_AVX512_BF16
 DISPATCH(run_bf16_avx512, kernel_bf16_avx512)
 #endif
+#ifdef USE_AVX2_F32
+DISPATCH(run_f32_avx2, kernel_f32_avx2)
+#endif
+#ifdef USE_AVX2_BF16
+DISPATCH(run_bf16_avx2, kernel_bf16_avx2)
+#endif
 
 INLINE int vector_shape(const decode_args* a) {
   return a->head_dim % 32 == 0 && a->head_dim <= 256;
@@ -485,12 +781,18 @@ void paged_decode_attention_f32(const decode_args* a) {
 #ifdef USE_AVX512
   if (vector_shape(a)) { run_f32_avx512(a); return; }
 #endif
+#ifdef USE_AVX2_F32
+  if (vector_shape(a)) { run_f32_avx2(a); return; }
+#endif
   run_f32_portable(a);
 }
 
 void paged_decode_attention_bf16(const decode_args* a) {
 #ifdef USE_AVX512_BF16
   if (vector_shape(a)) { run_bf16_avx512(a); return; }
+#endif
+#ifdef USE_AVX2_BF16
+  if (vector_shape(a)) { run_bf16_avx2(a); return; }
 #endif
   run_bf16_portable(a);
 }
@@ -507,12 +809,14 @@ void paged_decode_attention_bf16(const decode_args* a) {
    and to the softmax weights, which are rounded to bfloat16 as the bfloat16 kernel rounds
    them). The step's K/V are quantized and stored by the caller before the call.
 
+   Without AVX-512, the AVX2 loops read the rows in place instead of through a tile (see
+   "AVX2 inner loops" and Q8_AVX2_FORMAT below).
+
    Conversion: the portable loops read fp8 (e4m3, e5m2) from the 256-entry table a->lut and
-   convert int8; the AVX-512 ones convert 16 bytes at a time: int8 sign-extends; e5m2 is the
+   convert int8; the AVX-512 (AVX2) ones convert 16 (8) bytes at a time: int8 sign-extends; e5m2 is the
    high byte of a float16; e4m3 (bias 7) sign-extended and shifted into float16's bit
    positions reads as the value times 2^-8, so its rows' scales are taken times 2^8 (exact).
    The quantizer never stores e4m3's NaN code (it clamps to +-448). */
-#define TILE_KEYS 32
 INLINE float row_scale(const uint8_t* row, int64_t D) {
   bf16_t s;
   memcpy(&s, row + D, sizeof s);
@@ -733,6 +1037,44 @@ Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
 #else
 #define BF16DP(QT, FMT, a)
 #endif
+#ifdef USE_AVX2_F32
+/* The AVX2 loops read the 8-bit rows directly (no tile): the scores times each key row's
+   scale, the softmax weights times each value row's scale (e4m3's times 2^8 as above). */
+INLINE float rs_8bit(const uint8_t* r, int64_t D) { return row_scale(r, D); }
+INLINE float rs_e4m3(const uint8_t* r, int64_t D) { return 256.0f * row_scale(r, D); }
+#define Q8_AVX2_FORMAT(FMT, RS)                                                              \
+  DEFINE_AVX2_SCORE_HEADS(score_##FMT##_avx2_heads, uint8_t, cvt8_##FMT, RS)                 \
+  DEFINE_AVX2_SCORE(score_f32_##FMT##_avx2, float, cvt8_f32, uint8_t,                        \
+                    score_##FMT##_avx2_heads)                                                \
+  DEFINE_AVX2_SCORE(score_bf16_##FMT##_avx2, bf16_t, cvt8_bf16, uint8_t,                     \
+                    score_##FMT##_avx2_heads)                                                \
+  DEFINE_AVX2_VALUE_HEADS(value_##FMT##_avx2_heads, uint8_t, cvt8_##FMT)                     \
+  DEFINE_AVX2_VALUE(value_##FMT##_avx2, uint8_t, RS, 1, value_##FMT##_avx2_heads)
+#define Q8_AVX2_INSTANCE(QT, FMT)                                                            \
+INLINE void score_rows_##QT##_##FMT##_avx2(const decode_args* a, const uint8_t* k,           \
+                                           int64_t ks, int64_t n, int64_t r0, float* out,    \
+                                           int64_t rf, const int64_t D, const int64_t G) {   \
+  score_##QT##_##FMT##_avx2((const QT*)a->q + r0 * D, k, ks, n, a->scale, out, rf, D, G);    \
+}                                                                                            \
+INLINE void value_rows_##QT##_##FMT##_avx2(const decode_args* a, const uint8_t* v,           \
+                                           int64_t vs, int64_t n, float* w, int64_t rf,      \
+                                           float* acc, const int64_t D, const int64_t G) {   \
+  (void)a;                                                                                   \
+  value_##FMT##_avx2(w, rf, v, vs, n, acc, D, G);                                            \
+}                                                                                            \
+DEFINE_Q8_KERNEL(kernel_q8_##QT##_##FMT##_avx2, QT, TILE_KEYS, no_prep,                      \
+                 score_rows_##QT##_##FMT##_avx2, value_rows_##QT##_##FMT##_avx2)             \
+DISPATCH_Q8(run_q8_##QT##_##FMT##_avx2, kernel_q8_##QT##_##FMT##_avx2)
+Q8_AVX2_FORMAT(int8, rs_8bit)
+Q8_AVX2_FORMAT(e4m3, rs_e4m3)
+Q8_AVX2_FORMAT(e5m2, rs_8bit)
+Q8_AVX2_INSTANCE(f32, int8)
+Q8_AVX2_INSTANCE(f32, e4m3)
+Q8_AVX2_INSTANCE(f32, e5m2)
+Q8_AVX2_INSTANCE(bf16, int8)
+Q8_AVX2_INSTANCE(bf16, e4m3)
+Q8_AVX2_INSTANCE(bf16, e5m2)
+#endif
 enum { f32_is_bf16 = 0, bf16_is_bf16 = 1 };
 #ifdef USE_Q8_AVX512
 #define Q8_ENTRY(QT, FMT, PORTABLE)                                                          \
@@ -741,6 +1083,12 @@ enum { f32_is_bf16 = 0, bf16_is_bf16 = 1 };
       BF16DP(QT, FMT, a)                                                                     \
       run_q8_##QT##_##FMT##_avx512(a); return;                                               \
     }                                                                                        \
+    run_##PORTABLE(a);                                                                       \
+  }
+#elif defined(USE_AVX2_F32)
+#define Q8_ENTRY(QT, FMT, PORTABLE)                                                          \
+  void paged_decode_attention_q8_##QT##_##FMT(const decode_args* a) {                        \
+    if (vector_shape(a)) { run_q8_##QT##_##FMT##_avx2(a); return; }                          \
     run_##PORTABLE(a);                                                                       \
   }
 #else
@@ -756,7 +1104,7 @@ Q8_ENTRY(bf16, e4m3, q8_bf16_lut)
 Q8_ENTRY(bf16, e5m2, q8_bf16_lut)
 
 /* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16,
-   bit 2 8-bit caches AVX-512. */
+   bit 2 8-bit caches AVX-512, bit 3 AVX2 (for what the AVX-512 bits leave out). */
 int paged_decode_features(void) {
   int f = 0;
 #ifdef USE_AVX512
@@ -767,6 +1115,9 @@ int paged_decode_features(void) {
 #endif
 #ifdef USE_Q8_AVX512
   f |= 4;
+#endif
+#if defined(USE_AVX2_F32) || defined(USE_AVX2_BF16)
+  f |= 8;
 #endif
   return f;
 }

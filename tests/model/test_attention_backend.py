@@ -65,7 +65,8 @@ def test_vectorised_matches_reference(block_size, sliding_window, which, decode_
 
 
 # head_dim 64, 128: specialised; 32, 96: generic vector loops; 16, 40: plain C only.
-# Group sizes 1, 4, 3 are specialised, 16 generic (and more than the 8 accumulators per pass).
+# Group sizes 1, 4, 3 are specialised, 16 generic (and more than the 8 accumulators per pass
+# of the AVX-512 loops; the AVX2 ones take it 3 heads at a time, then 2 + 2).
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 96, 128, 40])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2), (12, 4), (16, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -164,8 +165,8 @@ def test_prefills_must_precede_decodes():
 def test_each_build_has_the_inner_loops_its_isa_allows(build):
     """Each build uses the vector loops its instruction set has, so that the tests above
     exercise the loops each kind of CPU runs: native ones where this CPU has AVX-512 (with
-    its bfloat16 dot products), AVX-512 float32 loops without the bfloat16 ones at
-    x86-64-v4, plain C at x86-64-v3 and in the portable build."""
+    its bfloat16 dot products) or AVX2, AVX-512 float32 and 8-bit loops with AVX2 bfloat16
+    ones at x86-64-v4, AVX2 loops at x86-64-v3, plain C in the portable build."""
     library = kernel_build(build).load()
     features = library.paged_decode_features()
     level = native.isa_level() if build == "native" else build  # $PAGELLM_CPU_ISA may be set
@@ -173,3 +174,6 @@ def test_each_build_has_the_inner_loops_its_isa_allows(build):
                                                                                ("", set()))[1]
     assert bool(features & 1) == ("avx512f" in flags)
     assert bool(features & 2) == ("avx512f" in flags and "avx512_bf16" in flags)
+    assert bool(features & 4) == ("avx512f" in flags)
+    assert bool(features & 8) == ({"avx2", "fma", "f16c"} <= flags  # AVX2 loops for some
+                                  and not {"avx512f", "avx512_bf16"} <= flags)

@@ -92,7 +92,7 @@ def test_mixed_step_matches_dequantized_reference(fmt_name, block_size, sliding_
                                                   head_dim, dtype, decode_path, monkeypatch):
     """A step mixing prompts, chunks, prefix hits and decodes; small chunks so that contexts
     span several of them (the online softmax merges). head_dim 32 and 64: the kernel's
-    AVX-512 loops where the build has them; 16: its portable loops."""
+    AVX-512 or AVX2 loops where the build has them; 16: its portable loops."""
     monkeypatch.setattr(quantized_backend, "CHUNK_BLOCKS", 2)
     monkeypatch.setattr(quantized_backend.chunked_attention, "__defaults__",
                         (None, 2))
