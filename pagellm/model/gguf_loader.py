@@ -8,10 +8,12 @@ the quantized bytes are paged in as they are read, not held).
 With ``quantization`` the projections are quantized from the float32 dequantization of the
 file (model/quantize_on_load.py), not from its copy in the engine's dtype; Q4_0, Q4_1 and Q4_K
 blocks are int4 groups of 32 as they are, so with ``quantization="int4"`` and groups of 32
-their codes are taken over (``int4_codes``) and nothing is re-quantized. Q8_0 blocks are int8
-groups of 32 as they are: a projection quantized to int8 (and the vocabulary projection,
-always int8) takes their codes and float32 scales (``int8_codes``) where the compiled
-group-wise int8 kernel runs (quant_matmul.available()).
+their codes are taken over (``int4_codes``) and nothing is re-quantized. Q8_0 and Q5_0 blocks
+are int8 groups of 32 as they are, Q6_K blocks int8 groups of 16: a projection quantized to
+int8 (and the vocabulary projection, always int8) takes their codes and float32 scales
+(``int8_codes``) where the compiled group-wise int8 kernel runs (quant_matmul.available()).
+The other types (Q5_1, Q2_K, Q3_K, Q5_K) carry a per-group offset that int8's symmetric
+codes cannot hold, or more bits than int4's: they are re-quantized from float32.
 
 llama.cpp's converter reorders the rows of the Llama family's q and k projections (each head's
 rotary pairs (i, i + d/2) become adjacent rows, the GPT-J layout its kernels rotate); loading
@@ -135,15 +137,55 @@ def int4_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             torch.from_numpy(zero.reshape(rows.shape[0], -1)))
 
 
-Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8 codes: d * q
+# GGUF blocks that are int8 groups as they are (symmetric codes times one scale per group), by
+# type: (bytes per block, weights per group). Q8_0 = fp16 d, 32 int8 codes (d * q); Q5_0 =
+# fp16 d, 4 bytes of high bits, 16 bytes of nibbles (d * (q5 - 16)); Q6_K = a super-block of
+# 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales of its sub-blocks of
+# 16, fp16 d (d * sc_j * (q6 - 32)).
+INT8_BLOCK_TYPES = {"Q8_0": (34, 32), "Q5_0": (22, 32), "Q6_K": (210, 16)}
 
 
 def int8_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 tensor's codes [out, in] int8 and scales [out, in / 32] float32 (the file's fp16
-    values): W = q * scale, the file's values exactly."""
-    rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1, Q8_0_BLOCK_BYTES)
-    codes = rows[..., 2:].copy().view(np.int8).reshape(rows.shape[0], -1)
-    return torch.from_numpy(codes), torch.from_numpy(_float16(rows, 0))
+    """A Q8_0 / Q5_0 / Q6_K tensor's codes [out, in] int8 and scales [out, in / group] float32
+    (groups of 32, 32, 16; the scales are the file's fp16 values, times Q6_K's int8 sub-block
+    scales): W = q * scale, the file's values exactly."""
+    block_bytes, _ = INT8_BLOCK_TYPES[tensor.tensor_type.name]
+    rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1, block_bytes)
+    if tensor.tensor_type.name == "Q8_0":
+        codes, scale = rows[..., 2:].copy().view(np.int8), _float16(rows, 0)
+    elif tensor.tensor_type.name == "Q5_0":
+        codes, scale = _q5_0_codes(rows), _float16(rows, 0)
+    else:
+        codes, scale = _q6_k_groups(rows)
+    return (torch.from_numpy(np.ascontiguousarray(codes).reshape(rows.shape[0], -1)),
+            torch.from_numpy(np.ascontiguousarray(scale).reshape(rows.shape[0], -1)))
+
+
+def _q5_0_codes(rows: np.ndarray) -> np.ndarray:
+    """rows [out, blocks, 22] of Q5_0 -> codes q5 - 16 [out, blocks, 32] int8: weight j < 16
+    is the low nibble of byte j of the quants (high nibble: j + 16), with bit j of the 32-bit
+    little-endian high-bit word as its fifth bit."""
+    high = rows[..., 2:6].copy().view("<u4")  # [out, blocks, 1]
+    quants = rows[..., 6:22]
+    low = np.concatenate([quants & 15, quants >> 4], axis=-1).astype(np.int16)
+    fifth = (high >> np.arange(32, dtype=np.uint32)) & 1  # [out, blocks, 32]
+    return ((low | (fifth.astype(np.int16) << 4)) - 16).astype(np.int8)
+
+
+def _q6_k_groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """rows [out, super-blocks, 210] of Q6_K -> codes q6 - 32 [out, sb, 256] int8 and scales
+    [out, sb, 16] float32 (d * sc_j). ggml's layout: each half of 128 weights takes 64 bytes
+    of low nibbles (ql) and 32 of high bit pairs (qh); weight l + 32 i (l < 32, i < 4) of a
+    half has ql[l + 32 (i % 2)]'s low (i < 2) or high (i >= 2) nibble and bits 2i, 2i + 1
+    of qh[l]; sub-block j covers weights 16 j .. 16 j + 15."""
+    ql = rows[..., 0:128].reshape(*rows.shape[:2], 2, 2, 32)  # [out, sb, half, i % 2, l]
+    qh = rows[..., 128:192].reshape(*rows.shape[:2], 2, 1, 32)  # [out, sb, half, 1, l]
+    low = np.stack([ql & 15, ql >> 4], axis=3)  # [out, sb, half, i // 2, i % 2, l]
+    low = low.reshape(*rows.shape[:2], 2, 4, 32)  # i = 2 (i // 2) + i % 2
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [out, sb, half, i, l]
+    codes = (low | (high << 4)).astype(np.int16) - 32
+    sc = rows[..., 192:208].copy().view(np.int8).astype(np.float32)  # [out, sb, 16]
+    return codes.astype(np.int8), _float16(rows, 208)[..., None] * sc
 
 
 def _q4_k_groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -203,7 +245,7 @@ def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: 
             if reorder:  # rows move; groups run along the input
                 parts = tuple(unpermute_qk(p, reorder) for p in parts)
             quantizing.add(name, parts)
-        elif (direct_int8 and tensor.tensor_type.name == "Q8_0"
+        elif (direct_int8 and tensor.tensor_type.name in INT8_BLOCK_TYPES
               and quantizing.method_of(name) == "int8"):
             parts = int8_codes(tensor)
             quantizing.add(name, tuple(unpermute_qk(p, reorder) for p in parts) if reorder

@@ -4,9 +4,11 @@ Each projection is quantized from the checkpoint tensor as read, in float32 (a G
 dequantized to float32, a safetensors tensor in its stored dtype upcast), never from the copy
 loaded into the model: with ``dtype=bfloat16`` that copy is already rounded, and quantizing it
 would round each weight twice (a bfloat16 round trip). Where a GGUF file's blocks *are* the
-target format (Q4_0 / Q4_1 / Q4_K as int4 groups of 32, gguf_loader.int4_codes; Q8_0 as int8
-groups of 32 with float32 scales, gguf_loader.int8_codes) the loader hands their codes in
-instead (``add``), and nothing is re-quantized.
+target format (Q4_0 / Q4_1 / Q4_K as int4 groups of 32, gguf_loader.int4_codes; Q8_0 and
+Q5_0 as int8 groups of 32, Q6_K as int8 groups of 16, with float32 scales,
+gguf_loader.int8_codes) the loader hands their codes in instead (``add``), and nothing is
+re-quantized. A fused int8 projection whose shards come in different groups takes the
+smallest, the other shards' scales repeated.
 
 Both formats keep rows independent (int8: one scale per output row; int4: groups run along
 the input), so every checkpoint tensor — one shard of a fused projection such as q_proj of
@@ -28,7 +30,8 @@ from pagellm.model.layers.linear import Linear, as_tensor
 from pagellm.model.layers.quantized_linear import (Int4Weight, Int8Weight, int4_quantize,
                                                     int8_quantize)
 
-# int8: (q [N, K] int8, scale [N] in the model dtype, or [N, K / 32] float32 from Q8_0);
+# int8: (q [N, K] int8, scale [N] in the model dtype, or [N, K / group] float32 from GGUF
+# Q8_0 / Q5_0 (groups of 32) or Q6_K (16) blocks);
 # int4: (codes [N, K] uint8, scale, zero [N, K / group] float32)
 Parts = tuple[torch.Tensor, ...]
 
@@ -65,7 +68,7 @@ class QuantizingLoad:
 
     def add(self, name: str, parts: Parts) -> None:
         """Parts taken from the file as they are (int4: codes, scale, zero float32; int8: codes,
-        scale [N, K / 32] float32)."""
+        scale [N, K / group] float32)."""
         self.parts[name] = parts
 
     def stream(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
@@ -87,8 +90,9 @@ class QuantizingLoad:
         if not all(n in self.parts for n in names):
             return
         parts = [self.parts.pop(n) for n in names]
-        if len(parts[0]) == 2 and len({p[1].dim() for p in parts}) > 1:
-            parts = [_per_group(*p) for p in parts]  # a Q8_0 shard beside re-quantized ones
+        groups = {_group(*p) for p in parts} if len(parts[0]) == 2 else set()
+        if len(groups) > 1:  # shards of GGUF int8 blocks beside other blocks or re-quantized
+            parts = [_per_group(*p, min(g for g in groups if g)) for p in parts]
         stacked = [torch.cat(p) for p in zip(*parts)]
         if stacked[0].shape != module.weight.shape:
             raise ValueError(f"checkpoint tensors {names} stack to "
@@ -104,12 +108,16 @@ class QuantizingLoad:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
 
 
-def _per_group(q: torch.Tensor, scale: torch.Tensor) -> Parts:
-    """int8 parts with float32 scales per group of 32 (Q8_0's): a per-channel scale repeated,
-    which dequantizes to the same values."""
-    if scale.dim() == 1:
-        scale = scale.float()[:, None].expand(-1, q.shape[1] // 32).contiguous()
-    return q, scale
+def _group(q: torch.Tensor, scale: torch.Tensor) -> int | None:
+    """The group size of int8 parts; None: per output channel."""
+    return q.shape[1] // scale.shape[1] if scale.dim() == 2 else None
+
+
+def _per_group(q: torch.Tensor, scale: torch.Tensor, group: int) -> Parts:
+    """int8 parts with float32 scales per ``group`` (which divides their own group): each
+    scale repeated, which dequantizes to the same values."""
+    own = _group(q, scale) or q.shape[1]
+    return q, scale.float().reshape(q.shape[0], -1).repeat_interleave(own // group, dim=1)
 
 
 def _projection_sources(model: Any) -> dict[Linear, list[str]]:

@@ -2,8 +2,9 @@
 
 Q4_K super-blocks (like Q4_0 / Q4_1 blocks) are int4 groups of 32 as they are: their codes,
 scales and zeros give the gguf package's own dequantization, and a model loaded in int4 from
-them computes what the unquantized float32 model computes. Every other tensor type, group
-size or method is re-quantized from the file's float32 values, not from the copy rounded to
+them computes what the unquantized float32 model computes. Q8_0 and Q5_0 blocks are int8
+groups of 32, Q6_K sub-blocks int8 groups of 16. Every other tensor type, group size or
+method is re-quantized from the file's float32 values, not from the copy rounded to
 the model dtype: checked against the quantizer applied to gguf's float32 dequantization, with
 ``dtype=bfloat16``, where quantizing the rounded copy gives other codes.
 """
@@ -19,7 +20,8 @@ from gguf_models import smollm2_gguf, write_tiny_gguf  # noqa: E402
 from paged_greedy import PagedGreedy  # noqa: E402
 
 from pagellm.model.gguf_config import open_reader  # noqa: E402
-from pagellm.model.gguf_loader import int4_codes, int8_codes, unpermute_qk  # noqa: E402
+from pagellm.model.gguf_loader import (INT8_BLOCK_TYPES, int4_codes, int8_codes,  # noqa: E402
+                                       unpermute_qk)
 from pagellm.model.layers import quant_matmul  # noqa: E402
 from pagellm.model.layers.linear import Linear  # noqa: E402
 from pagellm.model.layers.quantized_linear import Int4Weight, Int8Weight  # noqa: E402
@@ -113,8 +115,8 @@ def test_other_layouts_are_quantized_from_the_float32_values(tmp_path, type_name
     for name, module in projections(model).items():
         values = file_weight(expected, name)
         kind = "int8" if name == "lm_head" else method
-        if kind == "int8" and type_name == "Q8_0" and quant_matmul.available():
-            continue  # Q8_0 blocks are int8 as they are (test_q8_0_blocks_are_int8_groups_of_32)
+        if kind == "int8" and type_name in INT8_BLOCK_TYPES and quant_matmul.available():
+            continue  # int8 as they are (test_q8_0_blocks_..., test_q6_k_and_q5_0_blocks_...)
         if kind == "int8":
             reference = Int8Weight.quantize(values, torch.bfloat16)
             rounded = Int8Weight.quantize(values.to(torch.bfloat16))
@@ -156,6 +158,30 @@ def test_q8_0_blocks_are_int8_groups_of_32(tmp_path, dtype):
             values = values[:-v_rows]
         np.testing.assert_array_equal(layer.dequantized()[:len(values)].numpy(), values.numpy())
     tensors = {t.name: t for t in open_reader(path).tensors}
+    q, scale = int8_codes(tensors["output.weight"])
+    assert torch.equal(model.lm_head.quantized.q, q)
+    assert torch.equal(model.lm_head.quantized.scale, scale)
+
+
+@pytest.mark.parametrize("type_name, group", [("Q6_K", 16), ("Q5_0", 32)])
+def test_q6_k_and_q5_0_blocks_are_int8_groups(tmp_path, type_name, group):
+    """int8 from a Q6_K (Q5_0) file whose attn_v tensors are Q8_0: every projection and the
+    vocabulary projection are int8 groups of 16 (32) with the file's codes and float32 scales,
+    dequantizing to gguf's values exactly; in qkv_proj the Q8_0 v rows' scales of 32 are
+    repeated into Q6_K's groups of 16."""
+    if not quant_matmul.available():
+        pytest.skip("group-wise int8 runs in the compiled kernels, which are off here "
+                    f"({quant_matmul.describe()})")
+    path, expected = write_tiny_gguf(tmp_path, type_name, other_types={"attn_v": "Q8_0"})
+    model, _ = load_model(path, dtype=torch.float32, quantization="int8")
+    for name, module in projections(model).items():
+        layer = module.quantized
+        assert isinstance(layer, Int8Weight) and layer.group_size == group, name
+        assert layer.scale.dtype == torch.float32, name
+        np.testing.assert_array_equal(layer.dequantized().numpy(),
+                                      file_weight(expected, name).numpy(), err_msg=name)
+    tensors = {t.name: t for t in open_reader(path).tensors}
+    assert tensors["output.weight"].tensor_type.name == type_name
     q, scale = int8_codes(tensors["output.weight"])
     assert torch.equal(model.lm_head.quantized.q, q)
     assert torch.equal(model.lm_head.quantized.scale, scale)
