@@ -9,11 +9,12 @@ With ``quantization`` the projections are quantized from the float32 dequantizat
 file (model/quantize_on_load.py), not from its copy in the engine's dtype; Q4_0, Q4_1 and Q4_K
 blocks are int4 groups of 32 as they are, so with ``quantization="int4"`` and groups of 32
 their codes are taken over (``int4_codes``) and nothing is re-quantized. Q8_0 and Q5_0 blocks
-are int8 groups of 32 as they are, Q6_K blocks int8 groups of 16: a projection quantized to
-int8 (and the vocabulary projection, always int8) takes their codes and float32 scales
-(``int8_codes``) where the compiled group-wise int8 kernel runs (quant_matmul.available()).
-The other types (Q5_1, Q2_K, Q3_K, Q5_K) carry a per-group offset that int8's symmetric
-codes cannot hold, or more bits than int4's: they are re-quantized from float32.
+are int8 groups of 32 as they are, Q6_K and Q3_K blocks int8 groups of 16: a projection
+quantized to int8 (and the vocabulary projection, always int8) takes their codes and float32
+scales (``int8_codes``) where the compiled group-wise int8 kernel runs
+(quant_matmul.available()).
+The other types (Q5_1, Q2_K, Q5_K) carry a per-group offset that int8's symmetric codes
+cannot hold: they are re-quantized from float32.
 
 llama.cpp's converter reorders the rows of the Llama family's q and k projections (each head's
 rotary pairs (i, i + d/2) become adjacent rows, the GPT-J layout its kernels rotate); loading
@@ -141,22 +142,26 @@ def int4_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 # type: (bytes per block, weights per group). Q8_0 = fp16 d, 32 int8 codes (d * q); Q5_0 =
 # fp16 d, 4 bytes of high bits, 16 bytes of nibbles (d * (q5 - 16)); Q6_K = a super-block of
 # 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales of its sub-blocks of
-# 16, fp16 d (d * sc_j * (q6 - 32)).
-INT8_BLOCK_TYPES = {"Q8_0": (34, 32), "Q5_0": (22, 32), "Q6_K": (210, 16)}
+# 16, fp16 d (d * sc_j * (q6 - 32)); Q3_K = a super-block of 256: 32 bytes of high bits, 64
+# of 2-bit pairs, 12 bytes of the 6-bit scales of its 16 sub-blocks of 16, fp16 d
+# (d * (sc_j - 32) * (q3 - 4)).
+INT8_BLOCK_TYPES = {"Q8_0": (34, 32), "Q5_0": (22, 32), "Q6_K": (210, 16), "Q3_K": (110, 16)}
 
 
 def int8_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 / Q5_0 / Q6_K tensor's codes [out, in] int8 and scales [out, in / group] float32
-    (groups of 32, 32, 16; the scales are the file's fp16 values, times Q6_K's int8 sub-block
-    scales): W = q * scale, the file's values exactly."""
+    """A Q8_0 / Q5_0 / Q6_K / Q3_K tensor's codes [out, in] int8 and scales [out, in / group]
+    float32 (groups of 32, 32, 16, 16; the scales are the file's fp16 values, times the K types'
+    sub-block scales): W = q * scale, the file's values exactly."""
     block_bytes, _ = INT8_BLOCK_TYPES[tensor.tensor_type.name]
     rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1, block_bytes)
     if tensor.tensor_type.name == "Q8_0":
         codes, scale = rows[..., 2:].copy().view(np.int8), _float16(rows, 0)
     elif tensor.tensor_type.name == "Q5_0":
         codes, scale = _q5_0_codes(rows), _float16(rows, 0)
-    else:
+    elif tensor.tensor_type.name == "Q6_K":
         codes, scale = _q6_k_groups(rows)
+    else:
+        codes, scale = _q3_k_groups(rows)
     return (torch.from_numpy(np.ascontiguousarray(codes).reshape(rows.shape[0], -1)),
             torch.from_numpy(np.ascontiguousarray(scale).reshape(rows.shape[0], -1)))
 
@@ -205,6 +210,28 @@ def _q4_k_groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     quants = rows[..., 16:].reshape(*rows.shape[:2], 4, 1, 32)
     codes = (quants >> np.array([0, 4], dtype=np.uint8)[:, None]) & 15  # [out, sb, 4, 2, 32]
     return codes, scale, zero
+
+
+def _q3_k_groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """rows [out, super-blocks, 110] of Q3_K -> codes q3 - 4 [out, sb, 256] int8 and scales
+    [out, sb, 16] float32 (d * (sc_j - 32)). ggml's layout: weight 16 h + l (h < 2, l < 16) of
+    the 32 that shift j (< 4) of half n (< 2) covers, sub-block 8 n + 2 j + h, has bits 2j, 2j
+    + 1 of quant byte 32 n + 16 h + l and, as its third bit, bit 4 n + j of high-bit byte
+    16 h + l. Scale j takes its low 4 bits from byte j % 8's low (j < 8) or high nibble and
+    its top 2 bits from bits 2 (j // 4) and 2 (j // 4) + 1 of byte 8 + j % 4."""
+    hmask = rows[..., 0:32].reshape(*rows.shape[:2], 1, 1, 2, 16)  # [.., n, j, h, l]
+    quants = rows[..., 32:96].reshape(*rows.shape[:2], 2, 1, 2, 16)
+    packed = rows[..., 96:108]
+    j = np.arange(4, dtype=np.uint8)[:, None, None]
+    n = np.arange(2, dtype=np.uint8)[:, None, None, None]
+    low = (quants >> (2 * j)) & 3  # [out, sb, n, j, h, l]
+    high = (hmask >> (4 * n + j)) & 1
+    codes = low.astype(np.int16) - 4 * (1 - high.astype(np.int16))
+    k = np.arange(16)
+    nibble = np.where(k < 8, packed[..., k % 8] & 15, packed[..., k % 8] >> 4)
+    top = (packed[..., 8 + k % 4] >> (2 * (k // 4)).astype(np.uint8)) & 3
+    sc = (nibble | (top << 4)).astype(np.float32) - 32  # [out, sb, 16]
+    return codes.astype(np.int8), _float16(rows, 108)[..., None] * sc
 
 
 def _float16(rows: np.ndarray, offset: int) -> np.ndarray:

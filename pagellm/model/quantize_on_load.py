@@ -5,7 +5,7 @@ dequantized to float32, a safetensors tensor in its stored dtype upcast), never 
 loaded into the model: with ``dtype=bfloat16`` that copy is already rounded, and quantizing it
 would round each weight twice (a bfloat16 round trip). Where a GGUF file's blocks *are* the
 target format (Q4_0 / Q4_1 / Q4_K as int4 groups of 32, gguf_loader.int4_codes; Q8_0 and
-Q5_0 as int8 groups of 32, Q6_K as int8 groups of 16, with float32 scales,
+Q5_0 as int8 groups of 32, Q6_K and Q3_K as int8 groups of 16, with float32 scales,
 gguf_loader.int8_codes) the loader hands their codes in instead (``add``), and nothing is
 re-quantized. A fused int8 projection whose shards come in different groups takes the
 smallest, the other shards' scales repeated.
@@ -31,7 +31,7 @@ from pagellm.model.layers.quantized_linear import (Int4Weight, Int8Weight, int4_
                                                     int8_quantize)
 
 # int8: (q [N, K] int8, scale [N] in the model dtype, or [N, K / group] float32 from GGUF
-# Q8_0 / Q5_0 (groups of 32) or Q6_K (16) blocks);
+# Q8_0 / Q5_0 (groups of 32) or Q6_K / Q3_K (16) blocks);
 # int4: (codes [N, K] uint8, scale, zero [N, K / group] float32)
 Parts = tuple[torch.Tensor, ...]
 

@@ -3,7 +3,7 @@
 Q4_K super-blocks (like Q4_0 / Q4_1 blocks) are int4 groups of 32 as they are: their codes,
 scales and zeros give the gguf package's own dequantization, and a model loaded in int4 from
 them computes what the unquantized float32 model computes. Q8_0 and Q5_0 blocks are int8
-groups of 32, Q6_K sub-blocks int8 groups of 16. Every other tensor type, group size or
+groups of 32, Q6_K and Q3_K sub-blocks int8 groups of 16. Every other tensor type, group size or
 method is re-quantized from the file's float32 values, not from the copy rounded to
 the model dtype: checked against the quantizer applied to gguf's float32 dequantization, with
 ``dtype=bfloat16``, where quantizing the rounded copy gives other codes.
@@ -116,7 +116,7 @@ def test_other_layouts_are_quantized_from_the_float32_values(tmp_path, type_name
         values = file_weight(expected, name)
         kind = "int8" if name == "lm_head" else method
         if kind == "int8" and type_name in INT8_BLOCK_TYPES and quant_matmul.available():
-            continue  # int8 as they are (test_q8_0_blocks_..., test_q6_k_and_q5_0_blocks_...)
+            continue  # int8 as they are (test_q8_0_blocks_..., test_q6_k_q3_k_and_...)
         if kind == "int8":
             reference = Int8Weight.quantize(values, torch.bfloat16)
             rounded = Int8Weight.quantize(values.to(torch.bfloat16))
@@ -163,12 +163,12 @@ def test_q8_0_blocks_are_int8_groups_of_32(tmp_path, dtype):
     assert torch.equal(model.lm_head.quantized.scale, scale)
 
 
-@pytest.mark.parametrize("type_name, group", [("Q6_K", 16), ("Q5_0", 32)])
-def test_q6_k_and_q5_0_blocks_are_int8_groups(tmp_path, type_name, group):
-    """int8 from a Q6_K (Q5_0) file whose attn_v tensors are Q8_0: every projection and the
-    vocabulary projection are int8 groups of 16 (32) with the file's codes and float32 scales,
-    dequantizing to gguf's values exactly; in qkv_proj the Q8_0 v rows' scales of 32 are
-    repeated into Q6_K's groups of 16."""
+@pytest.mark.parametrize("type_name, group", [("Q6_K", 16), ("Q3_K", 16), ("Q5_0", 32)])
+def test_q6_k_q3_k_and_q5_0_blocks_are_int8_groups(tmp_path, type_name, group):
+    """int8 from a Q6_K (Q3_K, Q5_0) file whose attn_v tensors are Q8_0: every projection and
+    the vocabulary projection are int8 groups of 16 (16, 32) with the file's codes and float32
+    scales, dequantizing to gguf's values exactly; in qkv_proj the Q8_0 v rows' scales of 32
+    are repeated into the K types' groups of 16."""
     if not quant_matmul.available():
         pytest.skip("group-wise int8 runs in the compiled kernels, which are off here "
                     f"({quant_matmul.describe()})")

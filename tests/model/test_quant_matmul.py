@@ -71,7 +71,7 @@ def test_int4_matmul_matches_float64_reference(build, x_dtype, param_dtype, grou
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group_size", [8, 32, None])
+@pytest.mark.parametrize("group_size", [8, 16, 32, None])
 def test_int8_matmul_matches_float64_reference(build, x_dtype, group_size):
     weight, x = inputs(24, 96, x_dtype, max(ROWS), seed=1)
     if group_size is None:  # one scale per output channel
