@@ -91,6 +91,8 @@ class RequestOutput:
     ``prompt_logprobs`` has one entry per prompt token when requested; the first is None since
     nothing predicts the first token. ``error`` is set when the engine had to finish the request
     without generating (e.g. it can never fit in the KV cache); ``finished`` is then True.
+    ``error_internal``: the error is a fault of the engine's own (a failed step, the output
+    processing), not of the request.
     """
 
     request_id: str
@@ -102,6 +104,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error_internal: bool = False
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This DELTA output followed by a ``later`` one of the same request, as one delta
@@ -121,7 +124,7 @@ class RequestOutput:
             self.request_id, self.prompt, self.prompt_token_ids,
             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
             [by_index[i] for i in sorted(by_index)], later.finished, later.metrics,
-            later.error, later.num_cached_tokens)
+            later.error, later.num_cached_tokens, later.error_internal)
 
     def __repr__(self) -> str:
         error = f", error={self.error!r}" if self.error is not None else ""

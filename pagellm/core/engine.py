@@ -265,11 +265,13 @@ class LLMEngine:
                                   for item in plan.scheduled if item.seq_id in seqs))
 
     def _fail_requests(self, request_ids: Iterable[str], error: str) -> list[RequestOutput]:
-        """End requests with ``error`` in their outputs; their blocks are freed (and no K/V
-        that was never written stays in the prefix cache)."""
+        """End requests with ``error`` in their outputs, a fault of the engine's own
+        (``error_internal``); their blocks are freed (and no K/V that was never written stays
+        in the prefix cache)."""
         request_ids = [rid for rid in request_ids if rid in self.requests]
         for request_id in request_ids:
             self.requests[request_id].error = error
+            self.requests[request_id].error_internal = True
         return self.abort_request(request_ids)
 
     def _fail_step(self, plan: SchedulerOutput, exc: Exception) -> list[RequestOutput]:

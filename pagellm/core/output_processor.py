@@ -45,6 +45,7 @@ class OutputProcessor:
                 logger.exception("request %s failed in output processing",
                                  seq.request.request_id)
                 seq.request.error = f"output processing failed: {exc!r}"
+                seq.request.error_internal = True
                 scheduler.abort_request(seq.request)
         outputs = []
         for request in sorted(update.requests.values(), key=lambda r: r.seq_no):
@@ -137,7 +138,8 @@ class OutputProcessor:
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=prompt_logprobs,
             outputs=completions, finished=finished, metrics=request.metrics,
-            error=request.error, num_cached_tokens=request.num_cached_tokens or 0)
+            error=request.error, num_cached_tokens=request.num_cached_tokens or 0,
+            error_internal=request.error_internal)
 
     @staticmethod
     def _completion(seq: Sequence, delta: bool) -> CompletionOutput:

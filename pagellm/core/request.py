@@ -108,6 +108,7 @@ class Request:
     pending_prompt_logprobs: list = field(default_factory=list)
     metrics: RequestMetrics | None = None
     error: str | None = None
+    error_internal: bool = False  # the engine failed (a fault of its own), not the request
     forked: bool = False
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     prompt_logprobs_sent: bool = False  # a DELTA output carries them once

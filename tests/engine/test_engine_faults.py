@@ -56,6 +56,7 @@ def test_an_out_of_vocabulary_sample_fails_only_its_request(llm, monkeypatch):
     monkeypatch.setattr(engine.worker, "execute_model", poisoned)
     final = _run(engine, {f"bad-{i}": p for i, p in enumerate(prompts)})
     assert "out of range" in final["bad-1"].error and final["bad-1"].finished
+    assert final["bad-1"].error_internal  # the engine's fault: the server answers 500
     for i in (0, 2):
         assert final[f"bad-{i}"].error is None
         assert final[f"bad-{i}"].outputs[0].token_ids == expected[f"ref-{i}"].outputs[0].token_ids
@@ -74,7 +75,7 @@ def test_an_output_processing_fault_fails_only_its_request(llm, monkeypatch):
 
     monkeypatch.setattr(processor, "_add_token", faulty)
     final = _run(engine, {f"dec-{i}": p for i, p in enumerate(make_prompts(2, [7], seed=3))})
-    assert "output processing failed" in final["dec-0"].error
+    assert "output processing failed" in final["dec-0"].error and final["dec-0"].error_internal
     assert final["dec-1"].error is None and len(final["dec-1"].outputs[0].token_ids) == 6
     _assert_clean(engine)
 
@@ -92,7 +93,7 @@ def test_a_transient_worker_fault_fails_the_step_and_the_engine_serves_on(llm, m
 
     monkeypatch.setattr(engine.worker, "execute_model", flaky)
     final = _run(engine, {"t-0": make_prompts(1, [10], seed=4)[0]})
-    assert "transient fault" in final["t-0"].error
+    assert "transient fault" in final["t-0"].error and final["t-0"].error_internal
     later = _run(engine, {"t-1": make_prompts(1, [10], seed=4)[0]})
     assert later["t-1"].error is None and len(later["t-1"].outputs[0].token_ids) == 6
     assert engine.num_consecutive_failed_steps == 0

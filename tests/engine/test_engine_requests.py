@@ -204,6 +204,7 @@ def test_request_that_can_never_fit_is_finished_with_an_error(llama_dir):
     outputs = engine.step()
     assert [(o.request_id, o.finished) for o in outputs] == [("big", True)]
     assert "cannot fit in the KV cache (30 blocks of 4 tokens)" in outputs[0].error
+    assert not outputs[0].error_internal  # the request's fault: the server answers 400
     final = _run(engine)  # the next request still runs in the 5 blocks left
     assert list(final) == ["next"] and len(final["next"].outputs[0].token_ids) == 2
     engine.kv.free("elsewhere")

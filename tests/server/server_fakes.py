@@ -31,7 +31,7 @@ class _Req:
 class FakeEngine:
     def __init__(self, tokenizer, max_model_len: int = 64, num_blocks: int = 256,
                  step_delay: float = 0.0, fail_on_step: int | None = None,
-                 unfittable_prompt: str | None = None) -> None:
+                 unfittable_prompt: str | None = None, faulty_prompt: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -39,6 +39,7 @@ class FakeEngine:
         self.fail_on_step = fail_on_step
         self.unfittable_prompt = unfittable_prompt  # finished with an error, like a prompt
         # that can never fit in the KV cache
+        self.faulty_prompt = faulty_prompt  # finished with an engine fault, like a failed step
         self.requests: dict[str, _Req] = {}
         self.num_steps = 0
         self.generated = 0
@@ -85,6 +86,13 @@ class FakeEngine:
                 del self.requests[req.request_id]
                 output = self._output(req, "abort")
                 output.error = f"request {req.request_id!r} cannot fit in the KV cache"
+                outputs.append(output)
+                continue
+            if req.prompt is not None and req.prompt == self.faulty_prompt:
+                del self.requests[req.request_id]
+                output = self._output(req, "abort")
+                output.error = "the engine step failed: RuntimeError('simulated fault')"
+                output.error_internal = True
                 outputs.append(output)
                 continue
             for index, tokens in enumerate(req.outputs):

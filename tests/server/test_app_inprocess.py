@@ -13,6 +13,7 @@ from pagellm.entrypoints.openai.api_server import build_app
 from pagellm.metrics import EngineMetrics
 
 UNFITTABLE = "this prompt never fits"
+FAULTY = "this prompt meets an engine fault"
 
 
 def call(fake: FakeEngine, requests: list[tuple[str, str, dict | None]]) -> list[httpx.Response]:
@@ -44,6 +45,25 @@ def test_request_the_engine_gives_up_on_is_a_400(tokenizer):
     events = [line[len("data: "):] for line in streamed.text.splitlines() if line]
     assert events[-1] == "[DONE]"
     assert "cannot fit" in json.loads(events[-2])["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+def test_request_failed_by_an_engine_fault_is_a_500(tokenizer):
+    """A step that failed for the engine's own reasons ends its requests with a 500
+    (server_error), plain and streamed, and the server goes on serving."""
+    fake = FakeEngine(tokenizer, faulty_prompt=FAULTY)
+    plain, streamed, ok = call(fake, [
+        ("POST", "/v1/completions", {"prompt": FAULTY, "max_tokens": 4}),
+        ("POST", "/v1/completions", {"prompt": FAULTY, "max_tokens": 4, "stream": True}),
+        ("POST", "/v1/completions", {"prompt": "fine", "max_tokens": 4}),
+    ])
+    assert plain.status_code == 500, plain.text
+    assert plain.json()["error"]["type"] == "server_error"
+    assert "engine step failed" in plain.json()["error"]["message"]
+    events = [line[len("data: "):] for line in streamed.text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "engine step failed" in error["message"]
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 

@@ -273,11 +273,12 @@ async def _wait_for_disconnect(raw: Request) -> None:
 
 
 def check_outputs(outputs) -> None:
-    """A request the engine finished with an error (e.g. it can never fit in the KV cache),
-    or aborted because the server is shutting down, is not a success."""
+    """A request the engine finished with an error, or aborted because the server is shutting
+    down, is not a success: 400 when the request is at fault (e.g. it can never fit in the KV
+    cache), 500 when the engine is (a failed step; the server goes on serving)."""
     for output in outputs:
         if output.error:
-            raise APIError(output.error, 400)
+            raise APIError(output.error, 500 if output.error_internal else 400)
         if any(c.finish_reason == "abort" for c in output.outputs):
             raise APIError("the request was aborted: the server is shutting down", 503)
 
