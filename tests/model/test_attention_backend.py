@@ -64,10 +64,10 @@ def test_vectorised_matches_reference(block_size, sliding_window, which, decode_
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
-# head_dim 64, 128: specialised; 32, 96: generic vector loops; 16, 40: plain C only.
+# head_dim 64, 128: specialised; 32, 96, 256: generic vector loops; 16, 40: plain C only.
 # Group sizes 1, 4, 3 are specialised, 16 generic (and more than the 8 accumulators per pass
 # of the AVX-512 loops; the AVX2 ones take it 3 heads at a time, then 2 + 2).
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 96, 128, 40])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 96, 128, 256, 40])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (8, 2), (12, 4), (16, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_decode_kernel_shapes(head_dim, num_heads, num_kv_heads, dtype, decode_path):

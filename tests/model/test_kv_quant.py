@@ -108,7 +108,7 @@ def test_mixed_step_matches_dequantized_reference(fmt_name, block_size, sliding_
 
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
 @pytest.mark.parametrize("head_dim, num_heads, num_kv_heads",
-                         [(64, 12, 4), (128, 8, 8), (40, 16, 1), (64, 9, 3)])
+                         [(64, 12, 4), (128, 8, 8), (40, 16, 1), (64, 9, 3), (256, 8, 2)])
 def test_decode_shapes(fmt_name, head_dim, num_heads, num_kv_heads, decode_path):
     """Decode-only steps: specialised and generic head_dim / group sizes."""
     batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1)]
