@@ -5,9 +5,9 @@ Why: a decode step must read every cached K/V of every sequence once. The pure-t
 contiguous copy and then attends over it, so K/V cross memory three times; this kernel reads
 them in place, once, in ascending physical-block order, with AVX-512 inner loops (bfloat16 dot
 products where the CPU has them), AVX2 ones on CPUs without AVX-512, and plain-C ones
-elsewhere. Its C source is paged_decode.c, next to this file. It is an accelerator, not a requirement: without a C compiler, on other
-devices, for float16, or with ``PAGELLM_CPU_KERNELS=0`` the torch path runs, and the tests hold
-all three to one reference.
+elsewhere. Its C source is paged_decode.c, next to this file. It is an accelerator, not a
+requirement: without a C compiler, on other devices, for float16, or with
+``PAGELLM_CPU_KERNELS=0`` the torch path runs, and the tests hold all three to one reference.
 
 It is compiled for the ISA level of pagellm.native (``-march=native`` unless
 ``$PAGELLM_CPU_ISA`` says otherwise) with ``-fopenmp`` and cached by pagellm.native, which says

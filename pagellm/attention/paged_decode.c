@@ -429,9 +429,8 @@ INLINE void NAME(const float* restrict w, int64_t ws, const T* restrict v, int64
       a1[0][g] = _mm256_loadu_ps(acc + g * D + dc + 8);                                      \
       a0[1][g] = a1[1][g] = _mm256_setzero_ps();                                             \
     }                                                                                        \
-    int64_t i = 0;                                                                           \
-    for (; i + 2 <= n; i += 2)                                                               \
-      for (int e = 0; e < 2; e++) {                                                          \
+    for (int64_t i = 0; i < n; i += 2)                                                       \
+      for (int e = 0; e < 2 && i + e < n; e++) {                                             \
         const T* r = v + (i + e) * vs;                                                       \
         const __m256 x0 = CVT(r, dc / 8), x1 = CVT(r, dc / 8 + 1);                           \
         for (int64_t g = 0; g < GN; g++) {                                                   \
@@ -440,15 +439,6 @@ INLINE void NAME(const float* restrict w, int64_t ws, const T* restrict v, int64
           a1[e][g] = _mm256_fmadd_ps(wg, x1, a1[e][g]);                                      \
         }                                                                                    \
       }                                                                                      \
-    if (i < n) {                                                                             \
-      const T* r = v + i * vs;                                                               \
-      const __m256 x0 = CVT(r, dc / 8), x1 = CVT(r, dc / 8 + 1);                             \
-      for (int64_t g = 0; g < GN; g++) {                                                     \
-        const __m256 wg = _mm256_broadcast_ss(w + g * ws + i);                               \
-        a0[0][g] = _mm256_fmadd_ps(wg, x0, a0[0][g]);                                        \
-        a1[0][g] = _mm256_fmadd_ps(wg, x1, a1[0][g]);                                        \
-      }                                                                                      \
-    }                                                                                        \
     for (int64_t g = 0; g < GN; g++) {                                                       \
       _mm256_storeu_ps(acc + g * D + dc, _mm256_add_ps(a0[0][g], a0[1][g]));                 \
       _mm256_storeu_ps(acc + g * D + dc + 8, _mm256_add_ps(a1[0][g], a1[1][g]));             \
@@ -561,27 +551,23 @@ INLINE void round_weights(const float* restrict sc, bf16_t* restrict w, int64_t 
 #ifdef USE_AVX2
 INLINE __m128i store8_bf16(__m256 x) { /* store_bf16 of 8 values */
   const __m256i u = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  const __m256i high = _mm256_srli_epi32(u, 16);
+  const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
 }
 #endif
 
-/* sc[j] = the float32 value of store_bf16(sc[j]) (the AVX2 value loop reads float32). The
-   softmax numerators are finite and non-negative: no NaN case. */
+/* sc[j] = the float32 value of store_bf16(sc[j]) (the AVX2 value loop reads float32). */
 INLINE void round_in_place(float* restrict sc, int64_t start, int64_t len) {
   int64_t j = start;
 #ifdef USE_AVX2
-  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
-  const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-  for (; j + 8 <= len; j += 8) {
-    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(sc + j));
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-    _mm256_storeu_ps(sc + j, _mm256_castsi256_ps(_mm256_and_si256(
-        _mm256_add_epi32(u, _mm256_add_epi32(half, odd)), high)));
-  }
+  for (; j + 8 <= len; j += 8)
+    _mm256_storeu_ps(sc + j, _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(store8_bf16(_mm256_loadu_ps(sc + j))), 16)));
 #endif
   for (; j < len; j++) sc[j] = load_bf16(store_bf16(sc[j]));
 }
@@ -617,7 +603,8 @@ INLINE void reduce_rows(const decode_args* a, int64_t nt, int bf16_out) {
 #ifdef USE_AVX2
     for (; d + 8 <= D; d += 8) { /* as below, 8 at a time */
       __m256 sum = _mm256_setzero_ps();
-      for (int64_t u = 0; u < nt; u++) sum = _mm256_add_ps(sum, _mm256_loadu_ps(partial_sum(a, u, r) + d));
+      for (int64_t u = 0; u < nt; u++)
+        sum = _mm256_add_ps(sum, _mm256_loadu_ps(partial_sum(a, u, r) + d));
       sum = _mm256_mul_ps(sum, _mm256_set1_ps(inv_sum));
       if (bf16_out) _mm_storeu_si128((__m128i*)((bf16_t*)a->out + r * D + d), store8_bf16(sum));
       else _mm256_storeu_ps((float*)a->out + r * D + d, sum);
@@ -813,9 +800,10 @@ void paged_decode_attention_bf16(const decode_args* a) {
    "AVX2 inner loops" and Q8_AVX2_FORMAT below).
 
    Conversion: the portable loops read fp8 (e4m3, e5m2) from the 256-entry table a->lut and
-   convert int8; the AVX-512 (AVX2) ones convert 16 (8) bytes at a time: int8 sign-extends; e5m2 is the
-   high byte of a float16; e4m3 (bias 7) sign-extended and shifted into float16's bit
-   positions reads as the value times 2^-8, so its rows' scales are taken times 2^8 (exact).
+   convert int8; the AVX-512 (AVX2) ones convert 16 (8) bytes at a time: int8 sign-extends;
+   e5m2 is the high byte of a float16; e4m3 (bias 7) sign-extended and shifted into float16's
+   bit positions reads as the value times 2^-8, so its rows' scales are taken times 2^8
+   (exact).
    The quantizer never stores e4m3's NaN code (it clamps to +-448). */
 INLINE float row_scale(const uint8_t* row, int64_t D) {
   bf16_t s;

@@ -12,9 +12,8 @@ their codes are taken over (``int4_codes``) and nothing is re-quantized. Q8_0 an
 are int8 groups of 32 as they are, Q6_K and Q3_K blocks int8 groups of 16: a projection
 quantized to int8 (and the vocabulary projection, always int8) takes their codes and float32
 scales (``int8_codes``) where the compiled group-wise int8 kernel runs
-(quant_matmul.available()).
-The other types (Q5_1, Q2_K, Q5_K) carry a per-group offset that int8's symmetric codes
-cannot hold: they are re-quantized from float32.
+(quant_matmul.available()). The other types (Q5_1, Q2_K, Q5_K) carry a per-group offset that
+int8's symmetric codes cannot hold: they are re-quantized from float32.
 
 llama.cpp's converter reorders the rows of the Llama family's q and k projections (each head's
 rotary pairs (i, i + d/2) become adjacent rows, the GPT-J layout its kernels rotate); loading
@@ -139,21 +138,22 @@ def int4_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 # GGUF blocks that are int8 groups as they are (symmetric codes times one scale per group), by
-# type: (bytes per block, weights per group). Q8_0 = fp16 d, 32 int8 codes (d * q); Q5_0 =
+# bytes per block: groups of 32 for Q8_0 and Q5_0, of 16 for Q6_K and Q3_K. Q8_0 = fp16 d, 32
+# int8 codes (d * q); Q5_0 =
 # fp16 d, 4 bytes of high bits, 16 bytes of nibbles (d * (q5 - 16)); Q6_K = a super-block of
 # 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales of its sub-blocks of
 # 16, fp16 d (d * sc_j * (q6 - 32)); Q3_K = a super-block of 256: 32 bytes of high bits, 64
 # of 2-bit pairs, 12 bytes of the 6-bit scales of its 16 sub-blocks of 16, fp16 d
 # (d * (sc_j - 32) * (q3 - 4)).
-INT8_BLOCK_TYPES = {"Q8_0": (34, 32), "Q5_0": (22, 32), "Q6_K": (210, 16), "Q3_K": (110, 16)}
+INT8_BLOCK_TYPES = {"Q8_0": 34, "Q5_0": 22, "Q6_K": 210, "Q3_K": 110}
 
 
 def int8_codes(tensor: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 / Q5_0 / Q6_K / Q3_K tensor's codes [out, in] int8 and scales [out, in / group]
     float32 (groups of 32, 32, 16, 16; the scales are the file's fp16 values, times the K types'
     sub-block scales): W = q * scale, the file's values exactly."""
-    block_bytes, _ = INT8_BLOCK_TYPES[tensor.tensor_type.name]
-    rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1, block_bytes)
+    rows = np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1,
+                                           INT8_BLOCK_TYPES[tensor.tensor_type.name])
     if tensor.tensor_type.name == "Q8_0":
         codes, scale = rows[..., 2:].copy().view(np.int8), _float16(rows, 0)
     elif tensor.tensor_type.name == "Q5_0":
