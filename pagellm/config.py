@@ -72,6 +72,11 @@ class EngineArgs:
     # model/layers/quantized_linear.py
     quantization: str | None = None
     quantization_group_size: int = 128
+    # With quantization="int4": multiply the int4 weights by activations rounded to int8 codes
+    # per 32 columns (a float32 scale each), with integer dot products, as llama.cpp's Q4 x Q8
+    # products do: faster small-batch decode on the CPU, at the cost of the activations'
+    # rounding (quant_matmul.quantize_activations)
+    int8_activations: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field, its value and its limit."""
@@ -112,6 +117,10 @@ class EngineArgs:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _choice("quantization_group_size", self.quantization_group_size, (32, 64, 128, 256))
+        _check(isinstance(self.int8_activations, bool), "int8_activations",
+               self.int8_activations, "must be True or False")
+        _check(not self.int8_activations or self.quantization == "int4", "int8_activations",
+               self.int8_activations, f"needs quantization='int4' (got {self.quantization!r})")
         if self.quantization is not None and self.tensor_parallel_size > 1:
             raise ValueError(
                 f"quantization={self.quantization!r} with tensor_parallel_size="

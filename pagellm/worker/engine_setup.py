@@ -25,6 +25,7 @@ from pagellm.kv import ContiguousKVCacheManager, KVCacheManager
 from pagellm.lora.manager import LoRAManager
 from pagellm.model.generation_config import load_generation_defaults
 from pagellm.model.layers.linear import heads_per_rank
+from pagellm.model.layers.quantized_linear import use_int8_activations
 from pagellm.model.loader import (get_tokenizer, load_config, load_model, resolve_dtype,
                                   resolve_model_path)
 from pagellm.structured_outputs import GrammarCompiler
@@ -173,6 +174,8 @@ def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGr
                                   allow_pickle=args.allow_pickle_weights, tp=tp,
                                   quantization=args.quantization,
                                   quantization_group_size=args.quantization_group_size)
+    if args.int8_activations:
+        use_int8_activations(model)
     kv_format = kv_quant.kv_format(args.kv_cache_dtype)
     block_bytes = CacheEngine.bytes_per_block(hf_config, args.block_size, spec.dtype,
                                               kv_format, tp.world_size)

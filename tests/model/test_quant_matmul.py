@@ -70,6 +70,52 @@ def test_int4_matmul_matches_float64_reference(build, x_dtype, param_dtype, grou
         check_close(out, x[:rows].double() @ deq.T)
 
 
+@pytest.mark.parametrize("x_dtype, param_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_times_int8_activations_matches_float64_reference(build, x_dtype, param_dtype,
+                                                               group_size):
+    """int8_activations: the float64 product of the activations rounded by
+    quantize_activations with the dequantized weight. A code off by one would be off by
+    about 1/127 of a block's largest activation, far beyond the float32 tolerance. Rows with
+    a block of zeros and with a block of one large value among small ones."""
+    weight, x = inputs(40, 256, x_dtype, max(ROWS), seed=4)
+    x[1, 32:64] = 0
+    x[2, 64:96] = x[2, 64:96] * 1e-3
+    x[2, 70] = 50
+    q, scale, zero = int4_quantize(weight, group_size, param_dtype)
+    params = torch.stack([scale, zero], -1).to(param_dtype).contiguous()
+    p = params.double()
+    deq = ((q.double().view(40, -1, group_size) - 8) * p[..., :1] + p[..., 1:]).view(40, 256)
+    packed = quant_matmul.pack_int4(q)
+    for rows in ROWS:
+        out = quant_matmul.int4_matmul(x[:rows], packed, params, group_size,
+                                       int8_activations=True)
+        assert out.dtype == x_dtype
+        check_close(out, quant_matmul.quantize_activations(x[:rows]).double() @ deq.T)
+
+
+def test_quantize_activations_rounds_each_block_of_32_to_int8():
+    """Codes in [-127, 127] with the block's largest magnitude at +-127, each value within
+    half a step (amax / 254) of the input; a block of zeros stays zero; K must be a multiple
+    of 32."""
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(5)) * 4
+    x[0, :32] = 0
+    rounded = quant_matmul.quantize_activations(x)
+    assert rounded.dtype == torch.float32 and rounded.shape == x.shape
+    blocks, out = x.view(3, 3, 32), rounded.view(3, 3, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    step = amax / 127
+    assert torch.equal(out[0, 0], torch.zeros(32))
+    codes = torch.where(step > 0, out / step, 0.0)
+    assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.abs().max() <= 127 + 1e-4
+    assert ((out - blocks).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert torch.equal(quant_matmul.quantize_activations(x.bfloat16()),
+                       quant_matmul.quantize_activations(x.bfloat16().float()))
+    with pytest.raises(ValueError, match="in_features=40 must be a multiple of 32"):
+        quant_matmul.quantize_activations(torch.ones(2, 40))
+
+
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_size", [8, 16, 32, None])
 def test_int8_matmul_matches_float64_reference(build, x_dtype, group_size):
@@ -132,8 +178,27 @@ def test_layers_on_torch_kernels_when_the_compiled_ones_are_off(monkeypatch):
     check_close(int8(x), x.double() @ int8.dequantized().double().T)
     grouped = Int8Weight(int8.q, int8.scale[:, None].repeat(1, 4).contiguous(), 32)
     check_close(grouped(x), x.double() @ grouped.dequantized().double().T)
+    layer.int8_activations = True
+    check_close(layer(x), quant_matmul.quantize_activations(x).double()
+                @ layer.dequantized().double().T)
     with pytest.raises(ValueError, match="out_features=40 must be a multiple of 16"):
         Int4Weight.quantize(weight[:40], 32)
+
+
+def test_int4_layer_with_int8_activations(build):
+    """The layer's switch reaches its compiled kernel, and use_int8_activations sets it on
+    every int4 layer of a model (and on no other)."""
+    from torch import nn
+
+    from pagellm.model.layers.quantized_linear import use_int8_activations
+
+    weight, x = inputs(48, 128, torch.bfloat16, 3)
+    layer = Int4Weight.quantize(weight, 32)
+    model = nn.Sequential(layer, Int8Weight.quantize(weight[:, :48]))
+    assert not layer.int8_activations and use_int8_activations(model) == 1
+    assert layer.int8_activations
+    check_close(layer(x), quant_matmul.quantize_activations(x).double()
+                @ layer.dequantized().double().T)
 
 
 def test_bad_int8_groups_name_the_limit():

@@ -107,3 +107,40 @@ def test_gguf_int4_blocks_map_exactly(type_name):
     codes, scale, zero = int4_codes(Tensor)
     layer = Int4Weight(codes, scale, zero, 32, torch.float32)
     np.testing.assert_array_equal(layer.dequantized().numpy(), expected)
+
+
+def test_int8_activations_engine_matches_its_definition(model_zoo):
+    """quantization="int4" with int8_activations: the greedy tokens of an engine whose int4
+    projections multiply their dequantized weight by the activations as quantize_activations
+    rounds them (float32), over prompts whose prefill takes both the compiled small-row
+    products and the GEMM path (32 rows), and a decode batch of 3. Without int4 the switch is
+    refused."""
+    import torch.nn.functional as F
+
+    from pagellm import LLM, SamplingParams
+    from pagellm.model.layers.quant_matmul import GEMM_ROWS, quantize_activations
+
+    llama_dir, _ = model_zoo("llama")
+    common = dict(dtype="float32", quantization="int4", quantization_group_size=32,
+                  max_model_len=96, kv_cache_memory_bytes=1 << 20)
+    fast = LLM(str(llama_dir), int8_activations=True, **common)
+    reference = LLM(str(llama_dir), **common)
+    assert all(m.int8_activations for m in fast.llm_engine.runner.model.modules()
+               if isinstance(m, Int4Weight))
+    layers = [m for m in reference.llm_engine.runner.model.modules()
+              if isinstance(m, Int4Weight)]
+    assert layers and not any(m.int8_activations for m in layers)
+    for layer in layers:
+        layer.forward = (lambda x, w=layer.dequantized():
+                         F.linear(quantize_activations(x), w).to(x.dtype))
+    gen = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=gen).tolist()}
+               for n in (5, GEMM_ROWS + 8, 11)]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    tokens = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy,
+                                                                  use_tqdm=False)]
+              for llm in (fast, reference)]
+    assert tokens[0] == tokens[1]
+    with pytest.raises(ValueError, match="int8_activations=True is invalid: needs "
+                                         "quantization='int4' \\(got 'int8'\\)"):
+        LLM(str(llama_dir), quantization="int8", int8_activations=True)

@@ -53,7 +53,7 @@ class _Library(native.KernelLibrary):
         what = WHAT + (f" [{self.level}]" if self.level else "")
         library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
         if library is not None:
-            for name in ("int4_matmul", "int8_matmul", "bf16_matmul"):
+            for name in ("int4_matmul", "int8_matmul", "bf16_matmul", "int4_a8_matmul"):
                 getattr(library, name).argtypes = [ctypes.POINTER(_Args)]
                 getattr(library, name).restype = None
             for name in ("int4_dequantize", "int8_dequantize"):
@@ -118,7 +118,13 @@ class QuantizedMatmul:
     ``kind``: "int4" (codes from pack_int4, params [N, K / group_size, 2]), "int8" (codes
     [N, K] int8, params [N] or [N, K / group_size]) or "bf16" (codes: a bfloat16 weight
     [N, K] as it is, K % 8 == 0; params ignored). ``bias`` [N], added in float32 before the
-    one rounding to x's dtype."""
+    one rounding to x's dtype.
+
+    ``int8_activations`` (int4 only; settable): multiply x rounded by quantize_activations
+    instead of x, with integer dot products below GEMM_ROWS rows (int4_a8_matmul) and the
+    float32 GEMM of the rounded rows from there."""
+
+    int8_activations = False
 
     def __init__(self, kind: str, codes: torch.Tensor, params: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None) -> None:
@@ -147,23 +153,53 @@ class QuantizedMatmul:
         args.x_bf16, args.num_threads = rows.dtype == torch.bfloat16, torch.get_num_threads()
         bias = self.bias if add_bias else None
         args.bias = None if bias is None else bias.data_ptr()
+        int8_activations = self.int8_activations and self.kind == "int4"
         if num_rows >= GEMM_ROWS:
-            out = _gemm(library, self.kind, args, rows, self.codes, bias)
+            if int8_activations:  # float32 rows: their args are not used (only the weight's)
+                out = _gemm(library, self.kind, args, quantize_activations(rows), self.codes,
+                            bias).to(rows.dtype)
+            else:
+                out = _gemm(library, self.kind, args, rows, self.codes, bias)
         else:
             out = torch.empty(num_rows, self.out_features, dtype=rows.dtype)
             args.out = out.data_ptr()
-            # the widened bfloat16 rows and, for int4, two floats per group of each row
+            # the widened bfloat16 rows and, for int4, two floats per group of each row (int8
+            # activations: a scale per 32 columns, the group sums and a byte per column)
             args.workspace = _LIBRARY.scratch(num_rows * (in_features + in_features // 16)
                                               ).data_ptr()
-            getattr(library, f"{self.kind}_matmul")(self.pointer)
+            getattr(library, "int4_a8_matmul" if int8_activations
+                    else f"{self.kind}_matmul")(self.pointer)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_and_zero: torch.Tensor,
-                group_size: int) -> torch.Tensor:
+                group_size: int, int8_activations: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]: ``packed``
-    from pack_int4, ``scale_and_zero`` [N, K / group_size, 2]."""
-    return QuantizedMatmul("int4", packed, scale_and_zero, group_size)(x)
+    from pack_int4, ``scale_and_zero`` [N, K / group_size, 2]; ``int8_activations``: x
+    rounded by quantize_activations first."""
+    matmul = QuantizedMatmul("int4", packed, scale_and_zero, group_size)
+    matmul.int8_activations = int8_activations
+    return matmul(x)
+
+
+ACTIVATION_BLOCK = 32  # columns per int8 activation scale
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) rounded as the int8-activation products see it, in
+    float32: per row and block of 32 columns, codes q = x * (127 / amax) clamped to
+    [-127, 127] and rounded to nearest even, times the scale amax / 127 (all float32
+    operations, as quant_matmul.c's quantize_activations; a block of zeros stays zero)."""
+    in_features = x.shape[-1]
+    if in_features % ACTIVATION_BLOCK:
+        raise ValueError(f"int8 activations: in_features={in_features} must be a multiple of "
+                         f"{ACTIVATION_BLOCK}")
+    blocks = x.float().reshape(-1, in_features // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # a division as C's 127.0f / amax (``127 / amax`` multiplies by the reciprocal)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0.0)
+    codes = (blocks * inverse).clamp(-127, 127).round()
+    return (codes * (amax / 127)).view(x.shape)
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

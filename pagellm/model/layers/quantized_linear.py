@@ -102,6 +102,7 @@ class Int4Weight(nn.Module):
         self.register_buffer("scale_and_zero", torch.stack([scale, zero], -1).to(dtype)
                              .contiguous())  # [N, K / g, 2]
         self.compiled = quant_matmul.preferred()
+        self._int8_activations = False
         self._q = None  # the codes as given, kept by the torch layout (dequantized, codes)
         if self.compiled:
             self.register_buffer("packed", quant_matmul.pack_int4(q))
@@ -127,9 +128,25 @@ class Int4Weight(nn.Module):
         _check_group(weight.shape[1], group_size)
         return cls(*int4_quantize(weight, group_size, dtype), group_size, dtype)
 
+    @property
+    def int8_activations(self) -> bool:
+        """Whether x is rounded by quant_matmul.quantize_activations before the product
+        (int8 codes per 32 columns, integer dot products in the compiled kernels)."""
+        return self._int8_activations
+
+    @int8_activations.setter
+    def int8_activations(self, on: bool) -> None:
+        self._int8_activations = bool(on)
+        if self.compiled:
+            self._matmul.int8_activations = self._int8_activations
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compiled:
             return self._matmul(x)
+        if self._int8_activations:  # the rounded rows in float32: bfloat16 would round again
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                quant_matmul.quantize_activations(x), self.packed, self.group_size,
+                self.torch_scale_and_zero.float()).to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.torch_scale_and_zero.to(x.dtype))
 
@@ -205,6 +222,14 @@ def quantize_linear(module: nn.Module, method: str, group_size: int) -> nn.Modul
     if method == "int8":
         return Int8Weight.quantize(weight)
     return Int4Weight.quantize(weight, group_size)
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """Set int8_activations on every int4 layer of a loaded model; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Weight)]
+    for layer in layers:
+        layer.int8_activations = True
+    return len(layers)
 
 
 def quantize_linear_weights(model: nn.Module, method: str, group_size: int,
