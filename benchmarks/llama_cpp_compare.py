@@ -14,7 +14,11 @@ excluded.
 
 - pagellm: ``LLM.generate`` with the B prompts, ``ignore_eos``; the file's Q4_1 blocks read as
   int4 groups of 32 (``quantization="int4"``, bfloat16 activations); the span runs from the
-  earliest request's first token to the latest request's finish (the request metrics).
+  earliest request's first token to the latest request's finish (the request metrics). Two
+  engines by default, in turn: ``pagellm_int4`` (the int4 products with the bfloat16
+  activations) and ``pagellm_int4_a8`` (``int8_activations=True``: activations rounded to int8
+  per 32 columns and integer dot products, as llama.cpp's Q4_1 x Q8_1); ``--int8-activations``
+  picks one.
 - llama.cpp: the Q4_1 file as it is, through llama.cpp's C API (``llama_batch`` /
   ``llama_decode``): one call prefills the B prompts, each a ``seq_id`` of its own, then each call
   decodes one token of every sequence; greedy argmax over each sequence's logits. By default the
@@ -49,14 +53,16 @@ def prompt(i: int) -> list[int]:
 
 
 class Pagellm:
-    """One pagellm engine for all runs: int4 groups of 32 from the file, bfloat16 activations."""
+    """One pagellm engine for all runs: int4 groups of 32 from the file, bfloat16 activations
+    (``int8_activations``: rounded to int8 per 32 columns for the int4 products)."""
 
-    def __init__(self, path: str, max_batch: int, new_tokens: int) -> None:
+    def __init__(self, path: str, max_batch: int, new_tokens: int,
+                 int8_activations: bool = False) -> None:
         from pagellm import LLM, SamplingParams
 
         self.llm = LLM(path, dtype="bfloat16", quantization="int4", quantization_group_size=32,
-                       max_model_len=512, kv_cache_memory_bytes=128 << 20,
-                       max_num_seqs=max(max_batch, 1))
+                       int8_activations=int8_activations, max_model_len=512,
+                       kv_cache_memory_bytes=128 << 20, max_num_seqs=max(max_batch, 1))
         self.params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         self.new_tokens = new_tokens
         warm = [{"prompt_token_ids": prompt(i)} for i in range(max_batch)]
@@ -207,6 +213,10 @@ def main() -> None:
                         "llama-cpp-python's Llama)")
     parser.add_argument("--llama-cpp-path", default=None,
                         help="a site-packages folder holding llama_cpp")
+    parser.add_argument("--int8-activations", choices=("off", "on", "both"), default="both",
+                        help="pagellm's int4 products with bfloat16 activations (off), with "
+                        "activations rounded to int8 per 32 columns as llama.cpp's (on, "
+                        "int8_activations=True), or both engines in turn (default)")
     args = parser.parse_args()
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -232,7 +242,11 @@ def main() -> None:
     path = str(path)
     max_batch = max(batch_sizes)
     load_before = os.getloadavg()
-    pagellm = Pagellm(path, max_batch, args.new_tokens)
+    engines = {"pagellm_int4": False, "pagellm_int4_a8": True}
+    if args.int8_activations != "both":
+        engines = {k: v for k, v in engines.items() if v == (args.int8_activations == "on")}
+    pagellms = {name: Pagellm(path, max_batch, args.new_tokens, a8)
+                for name, a8 in engines.items()}
     llama = LlamaCpp(path, max_batch, args.new_tokens, args.threads, args.llama_cpp_kv,
                      args.llama_cpp_flash_attn)
 
@@ -243,11 +257,13 @@ def main() -> None:
     runs: dict[int, dict[str, list[float]]] = {}
     checks: dict[int, dict[str, object]] = {}
     for batch in batch_sizes:
-        runs[batch] = {"pagellm_int4": [], "llama_cpp_q4_1": []}
+        runs[batch] = {**{name: [] for name in pagellms}, "llama_cpp_q4_1": []}
         equal_to_batch1 = [args.new_tokens] * batch
+        ours = {}
         for _ in range(args.repeats):
-            rate, ours = pagellm.run(batch)
-            runs[batch]["pagellm_int4"].append(rate)
+            for name, engine in pagellms.items():
+                rate, ours[name] = engine.run(batch)
+                runs[batch][name].append(rate)
             rate, theirs = llama.run(batch)
             runs[batch]["llama_cpp_q4_1"].append(rate)
             equal_to_batch1 = [min(n, agreement(theirs[i], single[i]))
@@ -261,10 +277,12 @@ def main() -> None:
                                                            for n in equal_to_batch1),
             "of": batch,
             "llama_cpp_leading_tokens_equal_to_its_batch1": equal_to_batch1,
-            "pagellm_vs_llama_cpp_leading_tokens_equal": [agreement(ours[i], theirs[i])
-                                                          for i in range(batch)]}
+            **{f"{name}_vs_llama_cpp_leading_tokens_equal": [agreement(tokens[i], theirs[i])
+                                                             for i in range(batch)]
+               for name, tokens in ours.items()}}
     load_after = os.getloadavg()
-    pagellm.close()
+    for engine in pagellms.values():
+        engine.close()
     llama.close()
 
     best = {b: {k: round(max(v), 1) for k, v in r.items()} for b, r in runs.items()}
@@ -280,9 +298,9 @@ def main() -> None:
         "llama_cpp_python": llama_cpp.__version__,
         "llama_cpp": {"kv": args.llama_cpp_kv, "flash_attn": args.llama_cpp_flash_attn},
         "decode_tokens_per_s": {str(b): best[b] for b in batch_sizes},
-        "pagellm_vs_llama_cpp": {str(b): round(best[b]["pagellm_int4"]
-                                               / best[b]["llama_cpp_q4_1"], 3)
-                                 for b in batch_sizes},
+        **{f"{name}_vs_llama_cpp": {str(b): round(best[b][name] / best[b]["llama_cpp_q4_1"], 3)
+                                    for b in batch_sizes}
+           for name in pagellms},
         "all_runs": {str(b): {k: [round(x, 1) for x in v] for k, v in r.items()}
                      for b, r in runs.items()},
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode().strip(),

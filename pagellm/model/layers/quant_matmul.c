@@ -281,41 +281,65 @@ INLINE void int4_column(const qmm_args *a, const float *x, int64_t xs, const flo
     int4_column_gs(a, x, xs, xw, m0, T, n, a->group_size);
 }
 
-/* One output column n for T rows: int8, 8 columns per load: per group, scale times the sum
- * of the codes times x. */
-static inline void int8_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
-                               int64_t m0, int T, int64_t n) {
-  (void)xw;
-  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
-  const int8_t *q = (const int8_t *)a->codes + n * K;
-  __m256 total[TILE_ROWS];
-  for (int r = 0; r < T; r++) total[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; g++) {
-    __m256 sum[TILE_ROWS][2];
-    for (int r = 0; r < T; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
-    int64_t k = g * gs;
-    for (; k + 16 <= (g + 1) * gs; k += 16)
-      for (int p = 0; p < 2; p++) {
-        const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + k + 8 * p));
-        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-        for (int r = 0; r < T; r++) {
-          const int c = p % CHAINS(T);
-          sum[r][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k + 8 * p), sum[r][c]);
-        }
+/* One group of gs columns (a multiple of 8) from k0 on, for T rows: int8, 8 columns per
+ * load; the sums of the codes times x on CHAINS(T) chains per row, times the group's scale,
+ * added into total. */
+INLINE void int8_group(const int8_t *q, const float *x, int64_t xs, int64_t k0, int64_t gs,
+                       __m256 scale, int T, __m256 *total) {
+  __m256 sum[TILE_ROWS][2];
+  for (int r = 0; r < T; r++) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+  int64_t k = k0;
+  for (; k + 16 <= k0 + gs; k += 16)
+    for (int p = 0; p < 2; p++) {
+      const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + k + 8 * p));
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+      for (int r = 0; r < T; r++) {
+        const int c = p % CHAINS(T);
+        sum[r][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k + 8 * p), sum[r][c]);
       }
-    if (k < (g + 1) * gs) { /* a group of 8 * odd columns: its last 8 */
-      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k))));
-      for (int r = 0; r < T; r++)
-        sum[r][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k), sum[r][0]);
     }
-    const __m256 scale = _mm256_set1_ps(param(a->params, n * groups + g, a->params_bf16));
-    for (int r = 0; r < T; r++) {
-      const __m256 s = CHAINS(T) == 2 ? _mm256_add_ps(sum[r][0], sum[r][1]) : sum[r][0];
-      total[r] = _mm256_fmadd_ps(s, scale, total[r]);
-    }
+  if (k < k0 + gs) { /* a group of 8 * odd columns: its last 8 */
+    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k))));
+    for (int r = 0; r < T; r++)
+      sum[r][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k), sum[r][0]);
   }
-  const float zsum[TILE_ROWS] = {0};
-  store_sums(a, total, zsum, m0, T, n);
+  for (int r = 0; r < T; r++) {
+    const __m256 s = CHAINS(T) == 2 ? _mm256_add_ps(sum[r][0], sum[r][1]) : sum[r][0];
+    total[r] = _mm256_fmadd_ps(s, scale, total[r]);
+  }
+}
+
+/* One output column n for T rows: int8, per group scale times the sum of the codes times x;
+ * groups alternate between two accumulators for one or two rows, as int4_column_gs. */
+INLINE void int8_column_gs(const qmm_args *a, const float *x, int64_t xs, int64_t m0, int T,
+                           int64_t n, int64_t gs) {
+  const int64_t K = a->in_features, groups = K / gs;
+  const int8_t *q = (const int8_t *)a->codes + n * K;
+  const void *params = a->params;
+  const int bf16 = a->params_bf16;
+  __m256 even[TILE_ROWS], odd[TILE_ROWS];
+  for (int r = 0; r < T; r++) even[r] = odd[r] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 2 <= groups; g += 2) {
+    const __m256 s0 = _mm256_set1_ps(param(params, n * groups + g, bf16));
+    const __m256 s1 = _mm256_set1_ps(param(params, n * groups + g + 1, bf16));
+    int8_group(q, x, xs, g * gs, gs, s0, T, even);
+    int8_group(q, x, xs, (g + 1) * gs, gs, s1, T, T <= 2 ? odd : even);
+  }
+  if (g < groups)
+    int8_group(q, x, xs, g * gs, gs, _mm256_set1_ps(param(params, n * groups + g, bf16)), T,
+               even);
+  for (int r = 0; r < T; r++)
+    store(a, m0 + r, n, hsum8(T <= 2 ? _mm256_add_ps(even[r], odd[r]) : even[r]));
+}
+
+INLINE void int8_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
+                        int64_t m0, int T, int64_t n) {
+  (void)xw;
+  if (a->group_size == 32)
+    int8_column_gs(a, x, xs, m0, T, n, 32);
+  else
+    int8_column_gs(a, x, xs, m0, T, n, a->group_size);
 }
 
 /* Eight rows at once (batched decode): each weight dequantized once in a register,
