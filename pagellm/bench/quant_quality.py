@@ -32,6 +32,8 @@ def quality(model: str, prompts: int, new_tokens: int, group_size: int,
         variants = {f"kv_{d}": dict(kv_cache_dtype=d) for d in ("int8", "fp8", "fp8_e5m2")}
         variants["weights_int8"] = dict(quantization="int8")
         variants["weights_int4"] = dict(quantization="int4", quantization_group_size=group_size)
+        variants["weights_int4_a8"] = dict(quantization="int4", quantization_group_size=group_size,
+                                           int8_activations=True)
     report = {}
     for name, options in variants.items():
         llm = LLM(model, dtype=dtype, max_model_len=512, kv_cache_memory_bytes=64 << 20,

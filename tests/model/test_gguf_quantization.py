@@ -1,7 +1,8 @@
 """The 8-bit KV cache and int4 weights on the real SmolLM2-135M GGUF model: the quality report
 (pagellm/bench/quant_quality.py) held to bounds that any CPU meets (measured on an AMD EPYC in
 bfloat16, 4 prompts x 48 tokens: KV int8 mean |dlogprob| 0.036, agreement 98%; int4 weights
-taken from the file's Q4_1 codes 0.036, 98%; see docs/BENCHMARKS.md)."""
+taken from the file's Q4_1 codes 0.036, 98%; see docs/BENCHMARKS.md), also with the
+activations rounded to int8 (int8_activations)."""
 from __future__ import annotations
 
 from gguf_models import smollm2_gguf
@@ -14,7 +15,10 @@ def test_quality_of_8bit_kv_and_int4_weights_on_real_weights():
                      dtype="float32", variants={
                          "kv_int8": dict(kv_cache_dtype="int8"),
                          "weights_int4": dict(quantization="int4",
-                                              quantization_group_size=32)})
+                                              quantization_group_size=32),
+                         "weights_int4_a8": dict(quantization="int4",
+                                                 quantization_group_size=32,
+                                                 int8_activations=True)})
     for name, result in report["variants"].items():
         assert result["tokens"] == 32
         assert result["mean_abs_logprob_diff"] < 0.3, (name, result)

@@ -679,8 +679,8 @@ DEFINE_MATMUL(int4_matmul, int4_column, int4_wide, QMM_AVX2)
 DEFINE_MATMUL(int8_matmul, int8_column, int8_wide, 0)
 DEFINE_MATMUL(bf16_matmul, bf16_column, bf16_wide, 0)
 
-/* int4 weights times int8 activations (quantize_activations), fewer than GEMM_ROWS rows:
- * tiles of 1-4 rows for every row count. */
+/* int4 weights times int8 activations (quantize_activations), in tiles of 1-4 rows (the
+ * layers call it below quant_matmul.INTEGER_ROWS rows). */
 /* group 32 (GGUF's blocks) with its one block per group a constant, so its loop unrolls */
 #define A8_COLUMN(T, m0, n)                                                               \
   (a->group_size == 32 ? int4_a8_column(a, &x, m0, T, n, 1)                               \
@@ -691,8 +691,8 @@ DEFINE_MATMUL(bf16_matmul, bf16_column, bf16_wide, 0)
     for (int64_t n = 0; n < N; n++) A8_COLUMN(T, 0, n);                                   \
   } while (0)
 
-/* int4 weights times int8 activations (quantize_activations), fewer than GEMM_ROWS rows:
- * tiles of 1-4 rows for every row count. */
+/* int4 weights times int8 activations (quantize_activations), in tiles of 1-4 rows (the
+ * layers call it below quant_matmul.INTEGER_ROWS rows). */
 void int4_a8_matmul(const qmm_args *a) {
   const act8 x = quantize_activations(a);
   const int64_t M = a->rows, N = a->out_features;
