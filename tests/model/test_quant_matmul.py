@@ -117,6 +117,20 @@ def test_quantize_activations_rounds_each_block_of_32_to_int8():
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rounding_of_activations_is_torch_s_exactly(build, x_dtype):
+    """The compiled round_activations (the rows the float loops multiply from INTEGER_ROWS
+    rows on) equals quantize_activations bit for bit, zeros and a strided view included."""
+    x = (torch.randn(9, 200, generator=torch.Generator().manual_seed(6)) * 3).to(x_dtype)
+    x[2, 32:64] = 0
+    x[3, :32] = torch.arange(32) - 16.0  # codes at exact multiples of the step
+    view = x[:, :192]
+    matmul = quant_matmul.QuantizedMatmul("int4", torch.zeros(1, 96, dtype=torch.uint8),
+                                          torch.ones(1, 6, 2), 32)
+    rounded = quant_matmul._rounded_rows(build.load(), matmul.args, view)
+    assert torch.equal(rounded, quant_matmul.quantize_activations(view))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_size", [8, 16, 32, None])
 def test_int8_matmul_matches_float64_reference(build, x_dtype, group_size):
     weight, x = inputs(24, 96, x_dtype, max(ROWS), seed=1)

@@ -746,6 +746,20 @@ void int8_dequantize(const qmm_args *a, int64_t row0, int64_t count, float *out)
   }
 }
 
+/* x [M, K] rounded as quantize_activations rounds it, as float32 codes times their scales
+ * into out [M, K]: the rows the float loops multiply for int8 activations from
+ * quant_matmul.INTEGER_ROWS rows on. */
+void round_activations(const qmm_args *a, float *out) {
+  const int64_t K = a->in_features;
+  for (int64_t m = 0; m < a->rows; m++)
+    for (int64_t b = 0; b < K / 32; b++) {
+      int8_t q[32];
+      float d;
+      quantize_block(a->x, m * a->x_stride + b * 32, a->x_bf16, q, &d);
+      for (int j = 0; j < 32; j++) out[m * K + b * 32 + j] = (float)q[j] * d;
+    }
+}
+
 /* Bit 0: the AVX2 inner loops are built in; bit 1: the build may use AVX-512. */
 int quant_matmul_features(void) {
 #ifdef __AVX512F__

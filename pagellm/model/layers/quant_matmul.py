@@ -60,6 +60,8 @@ class _Library(native.KernelLibrary):
             for name in ("int4_matmul", "int8_matmul", "bf16_matmul", "int4_a8_matmul"):
                 getattr(library, name).argtypes = [ctypes.POINTER(_Args)]
                 getattr(library, name).restype = None
+            library.round_activations.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
+            library.round_activations.restype = None
             for name in ("int4_dequantize", "int8_dequantize"):
                 getattr(library, name).argtypes = [
                     ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -153,9 +155,9 @@ class QuantizedMatmul:
             rows = rows.contiguous()
         num_rows = rows.shape[0]
         integer = self.int8_activations and self.kind == "int4"
-        if integer and num_rows >= INTEGER_ROWS:  # the float loops on the rounded rows
-            rows, integer = quantize_activations(rows), False
         args = self.args
+        if integer and num_rows >= INTEGER_ROWS:  # the float loops on the rounded rows
+            rows, integer = _rounded_rows(library, args, rows), False
         args.x, args.rows, args.x_stride = rows.data_ptr(), num_rows, rows.stride(0)
         args.x_bf16, args.num_threads = rows.dtype == torch.bfloat16, torch.get_num_threads()
         bias = self.bias if add_bias else None
@@ -210,6 +212,16 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     """x [..., K] @ W^T with W[n, k] = q[n, k] * scale[n, g]: q [N, K] int8, scale
     [N, K / group_size] (or [N] with group_size K)."""
     return QuantizedMatmul("int8", q, scale, group_size)(x)
+
+
+def _rounded_rows(library: ctypes.CDLL, args: _Args, rows: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] (unit column stride) as quantize_activations rounds them, float32, by the
+    compiled round_activations (one pass; the torch ops take ~10 passes)."""
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    args.x, args.rows, args.x_stride = rows.data_ptr(), rows.shape[0], rows.stride(0)
+    args.x_bf16 = rows.dtype == torch.bfloat16
+    library.round_activations(ctypes.byref(args), out.data_ptr())
+    return out
 
 
 def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor,
