@@ -125,8 +125,12 @@ def test_int8_activations_engine_matches_its_definition(model_zoo):
                   max_model_len=96, kv_cache_memory_bytes=1 << 20)
     fast = LLM(str(llama_dir), int8_activations=True, **common)
     reference = LLM(str(llama_dir), **common)
-    assert all(m.int8_activations for m in fast.llm_engine.runner.model.modules()
-               if isinstance(m, Int4Weight))
+    from pagellm.worker.execution_paths import describe_paths
+
+    int4 = [m for m in fast.llm_engine.runner.model.modules() if isinstance(m, Int4Weight)]
+    assert int4 and all(m.int8_activations for m in int4)
+    assert (f"(int8 activations for the {len(int4)} int4 ones)"
+            in describe_paths(fast.llm_engine.runner.model)["matmul"])
     layers = [m for m in reference.llm_engine.runner.model.modules()
               if isinstance(m, Int4Weight)]
     assert layers and not any(m.int8_activations for m in layers)
