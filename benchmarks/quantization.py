@@ -7,7 +7,8 @@
 
 - ``quality``: the bfloat16 engine (model dtype KV cache, weights as loaded) generates greedy
   continuations of a few prompts; each variant (kv_cache_dtype int8 / fp8 / fp8_e5m2, weights
-  int8 / int4) then scores the same prompt + continuation (teacher forcing, prompt_logprobs):
+  int8 / int4 / int4 with int8 activations) then scores the same prompt + continuation
+  (teacher forcing, prompt_logprobs):
   mean and max |logprob difference| of the chosen tokens, and greedy agreement (how often the
   variant's own top token is the baseline's).
 - ``attention``: 12 layers of decode attention of the "small" model (12 query / 4 KV heads,
@@ -17,12 +18,13 @@
 - ``kv-memory``: one KV byte budget, one workload (seed 0, prompts 32-256, outputs 64-192,
   EOS ignored) on the "small" model per kv_cache_dtype: peak concurrent sequences (running,
   per step) and output tokens/s.
-- ``weights``: batch-1 greedy decode tokens/s with bfloat16, int8 and int4 weights on the
-  "small" model and the real GGUF model (--new-tokens, default 48, after a 16-token prompt).
+- ``weights``: batch-1 greedy decode tokens/s with bfloat16, int8 and int4 weights (and int4
+  with int8_activations, "int4_a8") on the "small" model and the real GGUF model (--new-tokens,
+  default 48, after a 16-token prompt).
 - ``matmul``: one projection of SmolLM2's shapes (bfloat16 activations, int4 groups of 32) at
-  1, 4, 8, 16 and 64 rows: pagellm's compiled int4 / int8 products beside torch's weight-only
-  kernels and the engine's bfloat16 projection (packed for oneDNN, or its float32 route),
-  interleaved, the fastest of --iters rounds.
+  1, 4, 8, 16 and 64 rows: pagellm's compiled int4 (with and without int8_activations) and
+  int8 products beside torch's weight-only kernels and the engine's bfloat16 projection
+  (packed for oneDNN, or its float32 route), interleaved, the fastest of --iters rounds.
 """
 from __future__ import annotations
 
@@ -181,8 +183,9 @@ def _fit_in_arrival_order(prompt_lens: list[int], blocks: int, engine) -> int:
 def weights(models: dict[str, str], new_tokens: int, group_size: int) -> dict:
     report = {}
     for label, model in models.items():
-        for method in (None, "int8", "int4"):
-            llm = LLM(model, dtype="bfloat16", quantization=method,
+        for method in (None, "int8", "int4", "int4_a8"):
+            llm = LLM(model, dtype="bfloat16", quantization=method and method[:4],
+                      int8_activations=method == "int4_a8",
                       quantization_group_size=group_size, max_model_len=512,
                       kv_cache_memory_bytes=64 << 20)
             prompt = list(range(100, 116))
@@ -210,7 +213,10 @@ def matmul(rounds: int) -> dict:
         weight = torch.randn(out_features, in_features, generator=gen) * 0.05
         q4, scale, zero = int4_quantize(weight, 32, torch.bfloat16)
         params = torch.stack([scale, zero], -1).to(torch.bfloat16).contiguous()
-        ours4 = quant_matmul.QuantizedMatmul("int4", quant_matmul.pack_int4(q4), params, 32)
+        packed = quant_matmul.pack_int4(q4)
+        ours4 = quant_matmul.QuantizedMatmul("int4", packed, params, 32)
+        ours4_a8 = quant_matmul.QuantizedMatmul("int4", packed, params, 32)
+        ours4_a8.int8_activations = True
         torch4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.int().contiguous(), 1)
         torch4_params = params.transpose(0, 1).contiguous()
         q8, scale8 = int8_quantize(weight, torch.bfloat16)
@@ -222,6 +228,7 @@ def matmul(rounds: int) -> dict:
             x = torch.randn(rows, in_features, generator=gen).bfloat16()
             variants = {
                 "pagellm_int4": lambda: ours4(x),
+                "pagellm_int4_int8_activations": lambda: ours4_a8(x),
                 "torch_int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x, torch4, 32, torch4_params),
                 "pagellm_int8": lambda: ours8(x),
