@@ -55,7 +55,8 @@ class EngineArgs:
     # defaults; or a folder holding a generation_config.json (see model/generation_config.py).
     generation_config: str = "auto"
     # On CUDA, decode steps replay CUDA graphs captured at start-up (worker/cuda_graphs.py);
-    # True runs every step eagerly (as the CPU always does).
+    # on the CPU they call the layers' kernels in a row where the model allows it
+    # (worker/cpu_decode.py). True runs every step through the layers' forward.
     enforce_eager: bool = False
     # LoRA adapters (docs/LORA.md): max_loras adapters on the device at once (one step uses
     # at most that many), of rank <= max_lora_rank; max_cpu_loras loaded in CPU memory

@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -135,6 +136,19 @@ def build_and_load(source: Path, flags: list[str], what: str,
                     logging.WARNING)
     _status[what] = f"built ({level}: {' '.join(isa_flags(level)) or 'compiler default'})"
     return library
+
+
+class PreparedCall:
+    """One kernel call with its arguments built once (a ctypes Structure passed by
+    reference): ``call()`` runs it. Fields that change between calls are set on ``args``."""
+
+    __slots__ = ("function", "args", "pointer")
+
+    def __init__(self, function: Any, args: ctypes.Structure) -> None:
+        self.function, self.args, self.pointer = function, args, ctypes.byref(args)
+
+    def __call__(self) -> None:
+        self.function(self.pointer)
 
 
 class KernelLibrary:

@@ -145,6 +145,49 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
+def prepared_decode_attention(query: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, out: torch.Tensor,
+                              new_k: torch.Tensor, new_v: torch.Tensor, scale: float,
+                              sliding_window: int | None) -> native.PreparedCall:
+    """paged_decode_attention into ``out`` as a prepared call, for a query, out and new K/V
+    [rows, heads, D] that stay where they are (new K/V: token rows of one stride). The step's
+    fields (pairs, seq_lens, slots, workspace, max_seq_len, num_seqs) are set on its args
+    before each call (set_step). Caller checks supports(query) and contiguous caches of the
+    query dtype."""
+    num_seqs, num_heads, head_dim = query.shape
+    args = _DecodeArgs(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        new_k.data_ptr(), new_v.data_ptr(), None, None, None, None, None, None, 0, num_seqs,
+        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], 0, sliding_window or 0,
+        torch.get_num_threads(), new_k.stride(0), scale)
+    library = _KERNEL.load()
+    return native.PreparedCall(getattr(library, "paged_decode_attention_"
+                                       + _SUFFIX[query.dtype]), args)
+
+
+def set_step(call: native.PreparedCall, pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+             seq_lens: torch.Tensor, max_seq_len: int, slots: torch.Tensor,
+             workspace: torch.Tensor) -> None:
+    """The step's fields of a prepared_decode_attention call, as paged_decode_attention sets
+    them (the workspace from decode_workspace, the same for every layer of the step)."""
+    args = call.args
+    args.pair_seq, args.pair_block, args.pair_phys = (pairs[0].data_ptr(), pairs[1].data_ptr(),
+                                                      pairs[2].data_ptr())
+    args.num_pairs, args.num_seqs = len(pairs[0]), len(seq_lens)
+    args.seq_lens, args.new_slots, args.max_seq_len = (seq_lens.data_ptr(), slots.data_ptr(),
+                                                       max_seq_len)
+    args.workspace = workspace.data_ptr()
+
+
+def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int
+                     ) -> torch.Tensor:
+    """The float32 workspace paged_decode_attention takes for such a step."""
+    threads = torch.get_num_threads()
+    rows = num_seqs * num_heads
+    return _KERNEL.scratch(rows * (max_seq_len + (max_seq_len + 1) // 2 + 1
+                                   + threads * head_dim))
+
+
 def supports_quantized(query: torch.Tensor, cache: QuantizedKVCache) -> bool:
     """Whether the kernel reads this 8-bit cache for this query (head_dim <= 256)."""
     return supports(query) and cache.head_dim <= 256

@@ -30,6 +30,7 @@ from pagellm.model.loader import (get_tokenizer, load_config, load_model, resolv
                                   resolve_model_path)
 from pagellm.structured_outputs import GrammarCompiler
 from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.cpu_decode import CpuDecodePlan
 from pagellm.worker.grammar import TokenMasks
 from pagellm.worker.model_runner import ModelRunner, ScheduledSeq
 from pagellm.worker.sampler import Sampler
@@ -189,6 +190,7 @@ def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGr
     runner = ModelRunner(model, cache_engine, device)
     lora_manager = _make_lora_manager(args, model, runner, device)
     _capture_decode_graphs(args, runner, device, spec.max_model_len)
+    _plan_cpu_decode(args, runner, device)
     sampler = Sampler(hf_config.vocab_size, spec.eos_token_ids)
     worker = Worker(cache_engine, runner, sampler, device, lora_manager, is_driver=tp.is_first)
     return RankWorker(worker, num_gpu_blocks, num_cpu_blocks, block_bytes)
@@ -223,6 +225,19 @@ def _make_lora_manager(args: EngineArgs, model, runner: ModelRunner,
                           args.resolved_max_cpu_loras, use_triton=use_triton)
     runner.lora_state = manager.state
     return manager
+
+
+def _plan_cpu_decode(args: EngineArgs, runner: ModelRunner, device: torch.device) -> None:
+    """On the CPU, unless enforce_eager: decode steps of up to max_num_seqs sequences call the
+    layers' kernels in a row (worker/cpu_decode.py) where the model allows it."""
+    if device.type != "cpu" or args.enforce_eager:
+        return
+    why_not = CpuDecodePlan.supports(runner.model, runner.cache_engine.kv_caches)
+    if why_not is not None:
+        logger.info("CPU decode plan off: %s; decode steps run the layers' forward", why_not)
+        return
+    runner.cpu_decode = CpuDecodePlan(runner.model, runner.cache_engine.kv_caches,
+                                      args.max_num_seqs)
 
 
 def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.device,

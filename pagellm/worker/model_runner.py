@@ -18,6 +18,7 @@ from pagellm.lora.layers import LoRAStepState
 from pagellm.lora.ops import LoRABatch
 from pagellm.model.decoder import CausalLM
 from pagellm.worker.cache_engine import CacheEngine
+from pagellm.worker.cpu_decode import CpuDecodePlan
 from pagellm.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
 
 
@@ -68,6 +69,9 @@ class ModelRunner:
         # Set by capture_decode_graphs (CUDA, unless enforce_eager): decode-only steps replay
         # a captured graph; everything else runs the model eagerly.
         self.decode_graphs: DecodeGraphRunner | None = None
+        # Set on the CPU unless enforce_eager (engine_setup): decode-only steps call the
+        # layers' kernels in a row (cpu_decode.py); everything else runs the model.
+        self.cpu_decode: CpuDecodePlan | None = None
         # Set with enable_lora: the per-step token -> adapter slot map the LoRA layers read.
         self.lora_state: LoRAStepState | None = None
 
@@ -94,6 +98,8 @@ class ModelRunner:
         hidden = None
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.metadata)
+        if self.cpu_decode is not None:
+            hidden = self.cpu_decode.run(inputs.input_ids, inputs.metadata)
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.metadata.positions,
                                 self.cache_engine.kv_caches, inputs.metadata)  # [T, hidden]

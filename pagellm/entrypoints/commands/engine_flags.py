@@ -44,8 +44,8 @@ HELP = {
                          "temperature, top_p, top_k, min_p and repetition_penalty; vllm: the "
                          "engine's own defaults; or a folder holding generation_config.json "
                          "(default: auto)",
-    "enforce_eager": "run every step eagerly: no CUDA graphs for decode steps (CUDA only; "
-                     "the CPU never uses them)",
+    "enforce_eager": "run every step eagerly: no CUDA graphs for decode steps on CUDA, no "
+                     "CPU decode plan (the layers' kernels called in a row) on the CPU",
     "enable_lora": "serve LoRA adapters (docs/LORA.md) beside the base model",
     "max_loras": "LoRA adapters on the device at once: the most one step mixes",
     "max_lora_rank": "the highest LoRA rank an adapter may have",

@@ -212,3 +212,33 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
                      torch.get_num_threads())
     _LIBRARY.library.silu_and_mul_bf16(ctypes.byref(args))
     return out
+
+
+def prepared_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float, out: torch.Tensor, scratch: torch.Tensor
+                      ) -> native.PreparedCall:
+    """rms_norm(x, residual, weight, eps) into ``out`` as a prepared call, for buffers that
+    stay where they are (``scratch``: 2 * n * threads floats); rows and threads may be set on
+    its args later. Caller checks available(x, "rms_norm")."""
+    n = x.shape[-1]
+    args = _RMSArgs(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                    weight.data_ptr(), out.data_ptr(), scratch.data_ptr(), x.numel() // n, n,
+                    _LIBRARY.lanes, torch.get_num_threads(), eps)
+    return native.PreparedCall(getattr(_LIBRARY.library, "rms_norm_" + _SUFFIX[x.dtype]), args)
+
+
+def prepared_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> native.PreparedCall:
+    """rotary_(x, cos, sin) as a prepared call (``args.cos``, ``args.sin``, ``args.tokens``
+    may be set later). Caller checks available(x, "rotary")."""
+    tokens, heads, head_dim = x.shape
+    args = _RopeArgs(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim,
+                     x.stride(0), torch.get_num_threads())
+    return native.PreparedCall(getattr(_LIBRARY.library, "rotary_" + _SUFFIX[x.dtype]), args)
+
+
+def prepared_silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> native.PreparedCall:
+    """silu_and_mul(gate_up) into ``out`` as a prepared call (bfloat16)."""
+    args = _SiluArgs(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0],
+                     gate_up.shape[1] // 2, gate_up.stride(0), torch.get_num_threads())
+    return native.PreparedCall(_LIBRARY.library.silu_and_mul_bf16, args)

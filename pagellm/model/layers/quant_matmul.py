@@ -177,6 +177,25 @@ class QuantizedMatmul:
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
+    def prepared(self, x: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor
+                 ) -> native.PreparedCall:
+        """This product of x [rows, K] (unit column stride, fewer than INTEGER_ROWS rows with
+        int8 activations, else fewer than GEMM_ROWS) into ``out`` [rows, N] (x's dtype) as a
+        prepared call: the kernel __call__ would run for x, with ``workspace`` (at least
+        rows * (K + K / 16) floats) and without the bias. Caller checks available()."""
+        integer = self.int8_activations and self.kind == "int4"
+        rows = x.shape[0]
+        if rows >= (INTEGER_ROWS if integer else GEMM_ROWS):
+            raise ValueError(f"prepared: {rows} rows take another path")
+        args = _Args.from_buffer_copy(self.args)
+        args.x, args.rows, args.x_stride = x.data_ptr(), rows, x.stride(0)
+        args.x_bf16, args.num_threads = x.dtype == torch.bfloat16, torch.get_num_threads()
+        args.out, args.workspace, args.bias = out.data_ptr(), workspace.data_ptr(), None
+        library = _LIBRARY.load()
+        return native.PreparedCall(getattr(library, "int4_a8_matmul" if integer
+                                           else f"{self.kind}_matmul"), args)
+
+
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_and_zero: torch.Tensor,
                 group_size: int, int8_activations: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T with W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]: ``packed``

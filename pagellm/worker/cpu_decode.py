@@ -1,0 +1,201 @@
+"""Decode steps on the CPU with the layers' kernels called in a row, without their Python.
+
+A decode step of a small model spends more time in the Python around its kernels than in
+most of them: SmolLM2-135M with int4 weights, one thread, on an AVX2 EPYC, ~8.7 ms of a 21 ms
+step went to ~290 us per decoder layer outside the matmuls (docs/BENCHMARKS.md). For a
+decode-only step of a model it supports (``CpuDecodePlan.supports``), the plan makes the same
+kernel calls the layers' forward makes, in the same order and on the same values, with their
+arguments prepared once per number of sequences and buffers allocated once:
+
+    rms_norm (+ residual) -> qkv product -> rotary in place on q and k -> decode attention
+    (storing the step's K/V) -> o product -> rms_norm (+ residual) -> gate_up product ->
+    SiLU-and-multiply -> down product, per layer; then the final rms_norm.
+
+Between the kernels only the step's fields are set (the attention's block pairs, lengths,
+slots and workspace; rotary's cos and sin), so its hidden states equal the eager forward's
+bit for bit (tests/engine/test_cpu_decode.py). The embedding lookup, the rotary angles and the
+vocabulary projection stay with the model. Anything else (prefill, more sequences than
+``max_rows``, a model or configuration it does not support) runs the eager forward: ``run``
+returns None. ``enforce_eager=True`` turns it off, as it turns off CUDA graphs on the GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention import Attention, AttentionMetadata, cpu_kernel
+from pagellm.attention.layer import select_backend
+from pagellm.attention.torch_backend import paged_attention
+from pagellm.model.decoder import CausalLM, DecoderLayer
+from pagellm.model.layers import Linear, cpu_ops, quant_matmul
+from pagellm.native import PreparedCall
+
+
+def _matmul_of(linear: object) -> quant_matmul.QuantizedMatmul | None:
+    """The compiled product a decode step's Linear runs (weight-only quantized, or the
+    bfloat16 kernel), when it runs one without a bias or a reduction of its own."""
+    if not isinstance(linear, Linear) or linear.bias is not None:
+        return None
+    if getattr(linear, "tp", None) is not None and linear.tp.world_size > 1:
+        return None
+    quantized = linear.quantized
+    if quantized is not None:
+        return quantized._matmul if getattr(quantized, "compiled", False) else None
+    if linear.packed_weight is None and linear.upcast and linear.bf16_kernel is not None:
+        return linear.bf16_kernel
+    return None
+
+
+class CpuDecodePlan:
+    """The decode-step kernel calls of one model over its KV caches (see the module)."""
+
+    def __init__(self, model: CausalLM, kv_caches: list, max_rows: int) -> None:
+        decoder = model.model
+        self.model, self.kv_caches = model, kv_caches
+        self._attention_layers = [layer.self_attn.attn for layer in decoder.layers]
+        first = decoder.layers[0]
+        self.dtype = decoder.norm.weight.dtype
+        attn = first.self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = (attn.num_heads, attn.num_kv_heads,
+                                                            attn.head_dim)
+        hidden = model.config.hidden_size
+        inter = first.mlp.down_proj.in_features
+        qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        int8_rows = any(_matmul_of(m).int8_activations for m in model.modules()
+                        if isinstance(m, Linear) and m is not model.lm_head
+                        and _matmul_of(m) is not None)
+        self.max_rows = min(max_rows, (quant_matmul.INTEGER_ROWS if int8_rows
+                                       else quant_matmul.GEMM_ROWS) - 1)
+        rows = self.max_rows
+
+        def buffer(width: int) -> torch.Tensor:
+            return torch.zeros(rows, width, dtype=self.dtype)
+
+        self.residual, self.normed, self.qkv = buffer(hidden), buffer(hidden), buffer(qkv_width)
+        self.query = buffer(self.num_heads * self.head_dim)
+        self.attn_out = buffer(self.num_heads * self.head_dim)
+        self.o_out, self.gate_up = buffer(hidden), buffer(2 * inter)
+        self.act, self.down, self.final = buffer(inter), buffer(hidden), buffer(hidden)
+        self.cos = torch.zeros(rows, self.head_dim, dtype=self.dtype)
+        self.sin = torch.zeros(rows, self.head_dim, dtype=self.dtype)
+        widest = max(hidden, inter)
+        self.workspace = torch.zeros(rows * (widest + widest // 16) + 64)
+        self.threads = 0
+        self.norm_scratch = torch.zeros(0)
+        self._plans: dict[int, tuple[list, list[PreparedCall]]] = {}
+
+    @staticmethod
+    def supports(model: CausalLM, kv_caches: list) -> str | None:
+        """None when the plan can run this model's decode steps, else why not."""
+        decoder = getattr(model, "model", None)
+        layers = getattr(decoder, "layers", None)
+        if layers is None or not len(layers):
+            return "not a decoder model"
+        dtype = decoder.norm.weight.dtype
+        if dtype != torch.bfloat16 or decoder.norm.weight.device.type != "cpu":
+            return "the plan runs bfloat16 models on the CPU"
+        for layer, cache in zip(layers, kv_caches, strict=True):
+            if type(layer) is not DecoderLayer or layer.self_attn.qk_norm:
+                return "a layer the plan does not know"
+            if not isinstance(cache, tuple) or cache[0].dtype != dtype:
+                return "the plan reads a KV cache of the model dtype"
+            if (type(layer.self_attn.attn) is not Attention
+                    or layer.self_attn.attn.reference_kv_format is not None):
+                return "a replaced attention layer"
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if not isinstance(linear, Linear) or _matmul_of(linear) is None:
+                    return "a projection without a compiled kernel (or with a bias, or split)"
+        probe = torch.empty(1, 1, dtype=dtype)
+        for op in ("rms_norm", "rotary", "silu_and_mul"):
+            if not cpu_ops.available(probe, op):
+                return f"the compiled {op} is off (it differs from torch's on this CPU)"
+        if not cpu_kernel.available():
+            return "the compiled attention kernel is off"
+        return None
+
+    def run(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor | None:
+        """Hidden states [rows, hidden] of a decode-only step of at most max_rows sequences,
+        or None (the caller runs the model). The tensor is the plan's buffer: read it before
+        the next step."""
+        rows = input_ids.shape[0]
+        if (metadata.prefill is not None or metadata.decode is None
+                or not 0 < rows <= self.max_rows
+                or select_backend(self.residual) is not paged_attention
+                or any(a.reference_kv_format is not None for a in self._attention_layers)):
+            return None
+        if torch.get_num_threads() != self.threads:  # kernels and scratch are per thread count
+            self.threads = torch.get_num_threads()
+            self.norm_scratch = torch.zeros(2 * self.residual.shape[1] * self.threads + 64)
+            self._plans.clear()
+        decoder = self.model.model
+        cos, sin = decoder.rotary_emb(metadata.positions, self.dtype)  # [rows, 1, D]
+        self.cos[:rows].copy_(cos[:, 0])
+        self.sin[:rows].copy_(sin[:, 0])
+        self.residual[:rows].copy_(decoder.embed_tokens(input_ids))
+        calls, attention = self._plan(rows)
+        decode = metadata.decode
+        pairs = decode.block_pairs()
+        workspace = cpu_kernel.decode_workspace(rows, self.num_heads, self.head_dim,
+                                                decode.max_seq_len)
+        slots = metadata.slot_mapping.contiguous()
+        for call in attention:
+            cpu_kernel.set_step(call, pairs, decode.seq_lens, decode.max_seq_len, slots,
+                                workspace)
+        for call in calls:
+            call()
+        return self.final[:rows]
+
+    def _plan(self, rows: int) -> tuple[list, list[PreparedCall]]:
+        plan = self._plans.get(rows)
+        if plan is None:
+            plan = self._plans[rows] = self._build(rows)
+        return plan
+
+    def _build(self, rows: int) -> tuple[list, list[PreparedCall]]:
+        """The step's calls for ``rows`` sequences (PreparedCalls, and the gathering of the
+        queries for several rows), and the attention calls among them."""
+        decoder = self.model.model
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        residual, normed, qkv = self.residual[:rows], self.normed[:rows], self.qkv[:rows]
+        view = qkv.view(rows, H + 2 * KVH, D)
+        query = view[:, :H] if rows == 1 else self.query[:rows].view(rows, H, D)
+        key, value = view[:, H:H + KVH], view[:, H + KVH:]
+        attn_out = self.attn_out[:rows]
+        calls: list = []
+        attention: list[PreparedCall] = []
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(decoder.layers,
+                                                                self.kv_caches)):
+            attn, mlp = layer.self_attn, layer.mlp
+            norm = layer.input_layernorm
+            if index == 0:  # the embedding: norm alone, the residual stream starts as it
+                calls.append(cpu_ops.prepared_rms_norm(residual, None, norm.weight, norm.eps,
+                                                       normed, self.norm_scratch))
+            else:
+                calls.append(cpu_ops.prepared_rms_norm(self.down[:rows], residual,
+                                                       norm.weight, norm.eps, normed,
+                                                       self.norm_scratch))
+            calls.append(_matmul_of(attn.qkv_proj).prepared(normed, qkv, self.workspace))
+            calls.append(cpu_ops.prepared_rotary(view[:, :H + KVH], self.cos[:rows],
+                                                 self.sin[:rows]))
+            if rows > 1:  # the queries gathered, as the layer's query.contiguous()
+                calls.append(lambda dst=query, src=view[:, :H]: dst.copy_(src))
+            call = cpu_kernel.prepared_decode_attention(
+                query, k_cache, v_cache, attn_out.view(rows, H, D), key, value,
+                attn.attn.scale, attn.attn.sliding_window)
+            calls.append(call)
+            attention.append(call)
+            calls.append(_matmul_of(attn.o_proj).prepared(attn_out, self.o_out[:rows],
+                                                          self.workspace))
+            post = layer.post_attention_layernorm
+            calls.append(cpu_ops.prepared_rms_norm(self.o_out[:rows], residual, post.weight,
+                                                   post.eps, normed, self.norm_scratch))
+            calls.append(_matmul_of(mlp.gate_up_proj).prepared(normed, self.gate_up[:rows],
+                                                               self.workspace))
+            calls.append(cpu_ops.prepared_silu_and_mul(self.gate_up[:rows], self.act[:rows]))
+            calls.append(_matmul_of(mlp.down_proj).prepared(self.act[:rows], self.down[:rows],
+                                                            self.workspace))
+        final = decoder.norm
+        calls.append(cpu_ops.prepared_rms_norm(self.down[:rows], residual, final.weight,
+                                               final.eps, self.final[:rows],
+                                               self.norm_scratch))
+        return calls, attention

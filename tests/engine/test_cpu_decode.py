@@ -1,0 +1,128 @@
+"""The CPU decode plan (worker/cpu_decode.py): the layers' kernels called in a row give the
+eager forward's results bit for bit, and every step it does not serve runs the forward.
+
+The compiled matmuls are made the layers' choice on every CPU (on AVX-512 CPUs the int4
+layers would otherwise take torch's kernels, which the plan does not call); the plan needs the
+compiled layer ops, which a CPU may have turned off (they must match torch bit for bit there):
+then the tests check that the engine says so and runs eagerly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import make_prompts
+
+from pagellm import LLM, SamplingParams
+from pagellm.model.layers import quant_matmul
+from pagellm.worker.cpu_decode import CpuDecodePlan
+
+
+@pytest.fixture
+def compiled_matmuls(monkeypatch):
+    if not quant_matmul.available():
+        pytest.skip("the compiled matmul kernels are off here")
+    monkeypatch.setattr(quant_matmul, "preferred", quant_matmul.available)
+
+
+def engine(llama_dir, **options) -> LLM:
+    """No prefix caching: each run of the same prompts then computes them from scratch (a
+    prefill of a cached prefix's tail rounds differently from the whole prompt's)."""
+    return LLM(str(llama_dir), dtype="bfloat16", max_model_len=96, block_size=4,
+               kv_cache_memory_bytes=1 << 20, max_num_seqs=12, enable_prefix_caching=False,
+               **options)
+
+
+def plan_or_skip(llm: LLM) -> CpuDecodePlan:
+    runner = llm.llm_engine.runner
+    why_not = CpuDecodePlan.supports(runner.model, runner.cache_engine.kv_caches)
+    if why_not is not None:
+        assert runner.cpu_decode is None
+        pytest.skip(f"no CPU decode plan here: {why_not}")
+    assert runner.cpu_decode is not None
+    return runner.cpu_decode
+
+
+def generate(llm: LLM, prompts, plan: CpuDecodePlan | None, calls: list[int]):
+    """Greedy tokens and their top-5 logprobs, with or without the plan; counts the steps
+    the plan served into ``calls``."""
+    runner = llm.llm_engine.runner
+    if plan is not None:
+        run = plan.run
+
+        def counted(input_ids, metadata):
+            hidden = run(input_ids, metadata)
+            calls.append(hidden is not None)
+            return hidden
+
+        plan.run = counted
+    runner.cpu_decode = plan
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        if plan is not None:
+            del plan.run
+    return [(list(o.outputs[0].token_ids),
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outputs]
+
+
+@pytest.mark.parametrize("options", [
+    dict(quantization="int4", quantization_group_size=32),
+    dict(quantization="int4", quantization_group_size=32, int8_activations=True),
+    dict(quantization="int8")])
+def test_plan_gives_the_forward_s_tokens_and_logprobs_exactly(llama_dir, compiled_matmuls,
+                                                               options):
+    """1 to 12 sequences decoding together (the plan takes up to 7 with int8 activations,
+    else all 12; prefills and larger batches run the forward), with chunked prefill and
+    sequences finishing at different steps: the same tokens and the same logprobs, bit for
+    bit, as the engine without the plan."""
+    llm = engine(llama_dir, **options)
+    plan = plan_or_skip(llm)
+    assert plan.max_rows == (7 if options.get("int8_activations") else 12)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(12, [5, 9, 3, 14], seed=3)]
+    served: list[int] = []
+    for count in (1, 3, 12):
+        with_plan = generate(llm, prompts[:count], plan, served)
+        assert with_plan == generate(llm, prompts[:count], None, [])
+    assert sum(served) > 0 and not all(served)  # the prefill steps ran the forward
+
+
+def test_bfloat16_weights_through_the_plan(llama_dir):
+    """Unquantized bfloat16 projections where they run the compiled bfloat16 kernel (CPUs
+    without oneDNN's bfloat16 path); elsewhere oneDNN's packed weights keep the plan off."""
+    llm = engine(llama_dir)
+    plan = plan_or_skip(llm)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(4, [6, 11], seed=4)]
+    served: list[int] = []
+    assert generate(llm, prompts, plan, served) == generate(llm, prompts, None, [])
+    assert any(served)
+
+
+def test_plan_off_where_it_does_not_apply(llama_dir, compiled_matmuls):
+    """enforce_eager, float32 models and an 8-bit KV cache run every step through the
+    forward, and the reason is known."""
+    assert engine(llama_dir, quantization="int4", quantization_group_size=32,
+                  enforce_eager=True).llm_engine.runner.cpu_decode is None
+    for options, reason in ((dict(dtype="float32"), "bfloat16 models"),
+                            (dict(kv_cache_dtype="int8"), "KV cache of the model dtype")):
+        llm = LLM(str(llama_dir), max_model_len=64, kv_cache_memory_bytes=1 << 20,
+                  quantization="int8", **{"dtype": "bfloat16", **options})
+        runner = llm.llm_engine.runner
+        assert runner.cpu_decode is None
+        assert reason in CpuDecodePlan.supports(runner.model, runner.cache_engine.kv_caches)
+
+
+def test_plan_follows_the_thread_count(llama_dir, compiled_matmuls):
+    """A changed torch thread count rebuilds the calls (their thread counts and scratch)."""
+    llm = engine(llama_dir, quantization="int4", quantization_group_size=32)
+    plan = plan_or_skip(llm)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(3, [7], seed=5)]
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert generate(llm, prompts, plan, []) == generate(llm, prompts, None, [])
+            assert plan.threads == count
+    finally:
+        torch.set_num_threads(threads)
