@@ -238,6 +238,8 @@ def _plan_cpu_decode(args: EngineArgs, runner: ModelRunner, device: torch.device
         return
     runner.cpu_decode = CpuDecodePlan(runner.model, runner.cache_engine.kv_caches,
                                       args.max_num_seqs)
+    logger.info("CPU decode plan on: decode steps of up to %d sequences call the layers' "
+                "kernels in a row", runner.cpu_decode.max_rows)
 
 
 def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.device,

@@ -599,20 +599,22 @@ static inline int quantize_block(const void *x, int64_t i, int bf16, int8_t *q, 
   float v[32], amax = 0;
   for (int j = 0; j < 32; j++) {
     v[j] = bf16 ? bf16_to_f32(((const bf16_t *)x)[i + j]) : ((const float *)x)[i + j];
-    amax = fmaxf(amax, fabsf(v[j]));
+    const float magnitude = fabsf(v[j]); /* (fmaxf here crashed aarch64 gcc 12's vectoriser) */
+    amax = magnitude > amax ? magnitude : amax;
   }
   *d = amax / 127.0f;
   const float inv = amax > 0 ? 127.0f / amax : 0.0f;
   int sum = 0;
   for (int j = 0; j < 32; j++) {
-    q[j] = (int8_t)nearbyintf(fmaxf(-127.0f, fminf(127.0f, v[j] * inv)));
-    sum += q[j];
+    const int32_t c = (int32_t)nearbyintf(fmaxf(-127.0f, fminf(127.0f, v[j] * inv)));
+    q[j] = (int8_t)c;
+    sum += c;
   }
   return sum;
 }
 
-INLINE void int4_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T,
-                                  int64_t n, int64_t bpg) {
+INLINE void int4_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T, int64_t n,
+                           int64_t bpg) {
   const int64_t K = a->in_features, groups = K / a->group_size, blocks = K / 32;
   const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
   for (int r = 0; r < T; r++) {
@@ -622,9 +624,12 @@ INLINE void int4_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T,
     for (int64_t g = 0; g < groups; g++) {
       float sum = 0;
       for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
-        int dot = 0;
-        for (int j = 0; j < 16; j++)
-          dot += (q[b * 16 + j] & 0x0f) * qx[b * 32 + j] + (q[b * 16 + j] >> 4) * qx[b * 32 + 16 + j];
+        int32_t codes[32], dot = 0;
+        for (int j = 0; j < 16; j++) {
+          codes[j] = q[b * 16 + j] & 0x0f;
+          codes[j + 16] = q[b * 16 + j] >> 4;
+        }
+        for (int j = 0; j < 32; j++) dot += codes[j] * (int32_t)qx[b * 32 + j];
         sum += (float)dot * x->d[(m0 + r) * blocks + b];
       }
       const float scale = param(a->params, (n * groups + g) * 2, a->params_bf16);
