@@ -88,15 +88,23 @@ def test_plan_gives_the_forward_s_tokens_and_logprobs_exactly(llama_dir, compile
     assert sum(served) > 0 and not all(served)  # the prefill steps ran the forward
 
 
-def test_bfloat16_weights_through_the_plan(llama_dir):
+def test_bfloat16_weights_and_thread_counts(llama_dir):
     """Unquantized bfloat16 projections where they run the compiled bfloat16 kernel (CPUs
-    without oneDNN's bfloat16 path); elsewhere oneDNN's packed weights keep the plan off."""
+    without oneDNN's bfloat16 path; elsewhere oneDNN's packed weights keep the plan off), with
+    one and two torch threads: a changed thread count rebuilds the calls (their thread
+    counts and scratch)."""
     llm = engine(llama_dir)
     plan = plan_or_skip(llm)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(4, [6, 11], seed=4)]
-    served: list[int] = []
-    assert generate(llm, prompts, plan, served) == generate(llm, prompts, None, [])
-    assert any(served)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            served: list[int] = []
+            assert generate(llm, prompts, plan, served) == generate(llm, prompts, None, [])
+            assert any(served) and plan.threads == count
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_plan_off_where_it_does_not_apply(llama_dir, compiled_matmuls):
@@ -111,18 +119,3 @@ def test_plan_off_where_it_does_not_apply(llama_dir, compiled_matmuls):
         runner = llm.llm_engine.runner
         assert runner.cpu_decode is None
         assert reason in CpuDecodePlan.supports(runner.model, runner.cache_engine.kv_caches)
-
-
-def test_plan_follows_the_thread_count(llama_dir, compiled_matmuls):
-    """A changed torch thread count rebuilds the calls (their thread counts and scratch)."""
-    llm = engine(llama_dir, quantization="int4", quantization_group_size=32)
-    plan = plan_or_skip(llm)
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(3, [7], seed=5)]
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            assert generate(llm, prompts, plan, []) == generate(llm, prompts, None, [])
-            assert plan.threads == count
-    finally:
-        torch.set_num_threads(threads)
