@@ -219,6 +219,26 @@ static inline void widen_codes(const uint8_t *p, __m256 w[4]) {
   w[3] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, spread1));
 }
 
+/* A column's groups for T rows, each added into one accumulator per row by
+ * GROUP(g, scale, acc) with the group's scale broadcast (SCALE(g): its index in params):
+ * even and odd groups alternate between `even` and `odd` for one or two rows, so that their
+ * FMA latencies overlap (more rows overlap by themselves, and two accumulators each would not
+ * fit the 16 registers). Declares even[] and odd[]; the sum of a row is sum_rows(r). */
+#define EACH_GROUP(groups, SCALE, GROUP)                                                   \
+  __m256 even[TILE_ROWS], odd[TILE_ROWS];                                                 \
+  for (int r = 0; r < T; r++) even[r] = odd[r] = _mm256_setzero_ps();                     \
+  {                                                                                       \
+    int64_t g = 0;                                                                        \
+    for (; g + 2 <= (groups); g += 2) {                                                   \
+      GROUP(g, _mm256_set1_ps(param(a->params, SCALE(g), a->params_bf16)), even);         \
+      GROUP(g + 1, _mm256_set1_ps(param(a->params, SCALE(g + 1), a->params_bf16)),        \
+            T <= 2 ? odd : even);                                                         \
+    }                                                                                     \
+    if (g < (groups))                                                                     \
+      GROUP(g, _mm256_set1_ps(param(a->params, SCALE(g), a->params_bf16)), even);         \
+  }
+#define sum_rows(r) hsum8(T <= 2 ? _mm256_add_ps(even[r], odd[r]) : even[r])
+
 /* One group of gs columns from k0 on, for T rows: the sums of the codes (widened to float in
  * registers) times x, on CHAINS(T) chains per row, times the group's scale, added into
  * total. */
@@ -245,32 +265,18 @@ INLINE void int4_group(const uint8_t *q, const float *x, int64_t xs, int64_t k0,
 /* One output column n for T rows: int4, 32 columns per 16-byte load. Per group g,
  *   sum_k w[k] x[k] = scale * sum_k q[k] x[k] + (zero - 8 scale) * sum_k x[k],
  * the first sum over codes widened to float in registers (int4_group), the second from the
- * rows' group sums (zero_terms). Groups alternate between two accumulators per row for one
- * or two rows (their FMA latencies overlap; more rows overlap by themselves and would not
- * fit the 16 registers). gs: the group size, a constant 32 where the caller knows it (the
- * loops then unroll), else a->group_size. */
+ * rows' group sums (zero_terms); the groups by EACH_GROUP. gs: the group size, a constant 32
+ * where the caller knows it (the loops then unroll), else a->group_size. */
 INLINE void int4_column_gs(const qmm_args *a, const float *x, int64_t xs, const float *xw,
                            int64_t m0, int T, int64_t n, int64_t gs) {
   const int64_t K = a->in_features, groups = K / gs;
   const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
-  const void *params = a->params;
-  const int bf16 = a->params_bf16;
-  __m256 even[TILE_ROWS], odd[TILE_ROWS];
-  for (int r = 0; r < T; r++) even[r] = odd[r] = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    const __m256 s0 = _mm256_set1_ps(param(params, (n * groups + g) * 2, bf16));
-    const __m256 s1 = _mm256_set1_ps(param(params, (n * groups + g + 1) * 2, bf16));
-    int4_group(q, x, xs, g * gs, gs, s0, T, even);
-    int4_group(q, x, xs, (g + 1) * gs, gs, s1, T, T <= 2 ? odd : even);
-  }
-  if (g < groups)
-    int4_group(q, x, xs, g * gs, gs, _mm256_set1_ps(param(params, (n * groups + g) * 2, bf16)),
-               T, even);
+#define INT4_SCALE(g) (n * groups + (g)) * 2
+#define INT4_GROUP(g, scale, acc) int4_group(q, x, xs, (g) * gs, gs, scale, T, acc)
+  EACH_GROUP(groups, INT4_SCALE, INT4_GROUP)
   float zsum[TILE_ROWS];
   zero_terms(a, xw, groups, n, T, zsum);
-  for (int r = 0; r < T; r++)
-    store(a, m0 + r, n, hsum8(T <= 2 ? _mm256_add_ps(even[r], odd[r]) : even[r]) + zsum[r]);
+  for (int r = 0; r < T; r++) store(a, m0 + r, n, sum_rows(r) + zsum[r]);
 }
 
 INLINE void int4_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
@@ -309,28 +315,16 @@ INLINE void int8_group(const int8_t *q, const float *x, int64_t xs, int64_t k0, 
   }
 }
 
-/* One output column n for T rows: int8, per group scale times the sum of the codes times x;
- * groups alternate between two accumulators for one or two rows, as int4_column_gs. */
+/* One output column n for T rows: int8, per group scale times the sum of the codes times x
+ * (EACH_GROUP). */
 INLINE void int8_column_gs(const qmm_args *a, const float *x, int64_t xs, int64_t m0, int T,
                            int64_t n, int64_t gs) {
   const int64_t K = a->in_features, groups = K / gs;
   const int8_t *q = (const int8_t *)a->codes + n * K;
-  const void *params = a->params;
-  const int bf16 = a->params_bf16;
-  __m256 even[TILE_ROWS], odd[TILE_ROWS];
-  for (int r = 0; r < T; r++) even[r] = odd[r] = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    const __m256 s0 = _mm256_set1_ps(param(params, n * groups + g, bf16));
-    const __m256 s1 = _mm256_set1_ps(param(params, n * groups + g + 1, bf16));
-    int8_group(q, x, xs, g * gs, gs, s0, T, even);
-    int8_group(q, x, xs, (g + 1) * gs, gs, s1, T, T <= 2 ? odd : even);
-  }
-  if (g < groups)
-    int8_group(q, x, xs, g * gs, gs, _mm256_set1_ps(param(params, n * groups + g, bf16)), T,
-               even);
-  for (int r = 0; r < T; r++)
-    store(a, m0 + r, n, hsum8(T <= 2 ? _mm256_add_ps(even[r], odd[r]) : even[r]));
+#define INT8_SCALE(g) n * groups + (g)
+#define INT8_GROUP(g, scale, acc) int8_group(q, x, xs, (g) * gs, gs, scale, T, acc)
+  EACH_GROUP(groups, INT8_SCALE, INT8_GROUP)
+  for (int r = 0; r < T; r++) store(a, m0 + r, n, sum_rows(r));
 }
 
 INLINE void int8_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
@@ -499,32 +493,18 @@ INLINE void int4_a8_group(const uint8_t *q, const int8_t *xq, const float *xd,
   for (int r = 0; r < T; r++) total[r] = _mm256_fmadd_ps(sum[r], scale, total[r]);
 }
 
-/* One output column n for T rows: the groups on two accumulators (even and odd groups, so
- * that their FMA latencies overlap), then the zero terms. */
+/* One output column n for T rows: the groups (EACH_GROUP), then the zero terms. */
 INLINE void int4_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T,
-                                  int64_t n, int64_t bpg) {
+                           int64_t n, int64_t bpg) {
   const int64_t K = a->in_features, groups = K / a->group_size;
   const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
   const int8_t *xq = x->q + m0 * K;
   const float *xd = x->d + m0 * (K / 32);
-  const void *params = a->params;
-  const int bf16 = a->params_bf16;
-  __m256 even[TILE_ROWS], odd[TILE_ROWS];
-  for (int r = 0; r < T; r++) even[r] = odd[r] = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    const __m256 s0 = _mm256_set1_ps(param(params, (n * groups + g) * 2, bf16));
-    const __m256 s1 = _mm256_set1_ps(param(params, (n * groups + g + 1) * 2, bf16));
-    int4_a8_group(q, xq, xd, K, g * bpg, bpg, s0, T, even);
-    int4_a8_group(q, xq, xd, K, (g + 1) * bpg, bpg, s1, T, odd);
-  }
-  if (g < groups)
-    int4_a8_group(q, xq, xd, K, g * bpg, bpg,
-                  _mm256_set1_ps(param(params, (n * groups + g) * 2, bf16)), T, even);
+#define A8_GROUP(g, scale, acc) int4_a8_group(q, xq, xd, K, (g) * bpg, bpg, scale, T, acc)
+  EACH_GROUP(groups, INT4_SCALE, A8_GROUP)
   float zsum[TILE_ROWS];
   zero_terms(a, x->pairs + m0 * 2 * groups, groups, n, T, zsum);
-  for (int r = 0; r < T; r++)
-    store(a, m0 + r, n, hsum8(_mm256_add_ps(even[r], odd[r])) + zsum[r]);
+  for (int r = 0; r < T; r++) store(a, m0 + r, n, sum_rows(r) + zsum[r]);
 }
 
 #else /* plain C: the same sums with 8 partial sums per row, vectorised by the compiler */
