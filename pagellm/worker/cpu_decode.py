@@ -20,6 +20,8 @@ returns None. ``enforce_eager=True`` turns it off, as it turns off CUDA graphs o
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagellm.attention import Attention, AttentionMetadata, cpu_kernel
@@ -60,11 +62,7 @@ class CpuDecodePlan:
         hidden = model.config.hidden_size
         inter = first.mlp.down_proj.in_features
         qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        int8_rows = any(_matmul_of(m).int8_activations for m in model.modules()
-                        if isinstance(m, Linear) and m is not model.lm_head
-                        and _matmul_of(m) is not None)
-        self.max_rows = min(max_rows, (quant_matmul.INTEGER_ROWS if int8_rows
-                                       else quant_matmul.GEMM_ROWS) - 1)
+        self.max_rows = min(max_rows, quant_matmul.GEMM_ROWS - 1)
         rows = self.max_rows
 
         def buffer(width: int) -> torch.Tensor:
@@ -81,7 +79,7 @@ class CpuDecodePlan:
         self.workspace = torch.zeros(rows * (widest + widest // 16) + 64)
         self.threads = 0
         self.norm_scratch = torch.zeros(0)
-        self._plans: dict[int, tuple[list, list[PreparedCall]]] = {}
+        self._plans: dict[int, tuple[list[Callable[[], None]], list[PreparedCall]]] = {}
 
     @staticmethod
     def supports(model: CausalLM, kv_caches: list) -> str | None:
@@ -145,15 +143,14 @@ class CpuDecodePlan:
             call()
         return self.final[:rows]
 
-    def _plan(self, rows: int) -> tuple[list, list[PreparedCall]]:
+    def _plan(self, rows: int) -> tuple[list[Callable[[], None]], list[PreparedCall]]:
         plan = self._plans.get(rows)
         if plan is None:
             plan = self._plans[rows] = self._build(rows)
         return plan
 
-    def _build(self, rows: int) -> tuple[list, list[PreparedCall]]:
-        """The step's calls for ``rows`` sequences (PreparedCalls, and the gathering of the
-        queries for several rows), and the attention calls among them."""
+    def _build(self, rows: int) -> tuple[list[Callable[[], None]], list[PreparedCall]]:
+        """The step's calls for ``rows`` sequences, and the attention calls among them."""
         decoder = self.model.model
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         residual, normed, qkv = self.residual[:rows], self.normed[:rows], self.qkv[:rows]
@@ -161,7 +158,7 @@ class CpuDecodePlan:
         query = view[:, :H] if rows == 1 else self.query[:rows].view(rows, H, D)
         key, value = view[:, H:H + KVH], view[:, H + KVH:]
         attn_out = self.attn_out[:rows]
-        calls: list = []
+        calls: list[Callable[[], None]] = []
         attention: list[PreparedCall] = []
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(decoder.layers,
                                                                 self.kv_caches)):

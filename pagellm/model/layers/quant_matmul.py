@@ -178,22 +178,40 @@ class QuantizedMatmul:
 
 
     def prepared(self, x: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor
-                 ) -> native.PreparedCall:
-        """This product of x [rows, K] (unit column stride, fewer than INTEGER_ROWS rows with
-        int8 activations, else fewer than GEMM_ROWS) into ``out`` [rows, N] (x's dtype) as a
-        prepared call: the kernel __call__ would run for x, with ``workspace`` (at least
-        rows * (K + K / 16) floats) and without the bias. Caller checks available()."""
-        integer = self.int8_activations and self.kind == "int4"
+                 ) -> Callable[[], None]:
+        """This product of x [rows, K] (unit column stride, fewer than GEMM_ROWS rows) into
+        ``out`` [rows, N] (x's dtype) as a prepared call: the kernels __call__ would run for
+        x, with ``workspace`` (at least rows * (K + K / 16) floats) and without the bias.
+        Caller checks available()."""
         rows = x.shape[0]
-        if rows >= (INTEGER_ROWS if integer else GEMM_ROWS):
-            raise ValueError(f"prepared: {rows} rows take another path")
+        if rows >= GEMM_ROWS:
+            raise ValueError(f"prepared: {rows} rows take the GEMM path")
+        library = _LIBRARY.load()
+        integer = self.int8_activations and self.kind == "int4"
         args = _Args.from_buffer_copy(self.args)
         args.x, args.rows, args.x_stride = x.data_ptr(), rows, x.stride(0)
         args.x_bf16, args.num_threads = x.dtype == torch.bfloat16, torch.get_num_threads()
         args.out, args.workspace, args.bias = out.data_ptr(), workspace.data_ptr(), None
-        library = _LIBRARY.load()
-        return native.PreparedCall(getattr(library, "int4_a8_matmul" if integer
-                                           else f"{self.kind}_matmul"), args)
+        if not integer or rows < INTEGER_ROWS:
+            return native.PreparedCall(getattr(library, "int4_a8_matmul" if integer
+                                               else f"{self.kind}_matmul"), args)
+        # as __call__ from INTEGER_ROWS rows: the rows rounded in float32, the float loops
+        # into float32, rounded once to x's dtype
+        rounded = torch.empty(rows, self.in_features)
+        out32 = torch.empty(rows, self.out_features)
+        rounding = native.PreparedCall(library.round_activations, args)
+        matmul_args = _Args.from_buffer_copy(args)
+        matmul_args.x, matmul_args.x_stride, matmul_args.x_bf16 = (rounded.data_ptr(),
+                                                                   self.in_features, 0)
+        matmul_args.out = out32.data_ptr()
+        matmul = native.PreparedCall(library.int4_matmul, matmul_args)
+
+        def call() -> None:  # holds rounded and out32, which the kernels write through pointers
+            rounding.function(rounding.pointer, rounded.data_ptr())
+            matmul()
+            out.copy_(out32)
+
+        return call
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_and_zero: torch.Tensor,
