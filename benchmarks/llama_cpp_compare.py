@@ -18,7 +18,8 @@ excluded.
   engines by default, in turn: ``pagellm_int4`` (the int4 products with the bfloat16
   activations) and ``pagellm_int4_a8`` (``int8_activations=True``: activations rounded to int8
   per 32 columns and integer dot products, as llama.cpp's Q4_1 x Q8_1); ``--int8-activations``
-  picks one.
+  picks one. Decode steps take the CPU decode plan (the layers' kernels called in a row) unless
+  ``--enforce-eager``.
 - llama.cpp: the Q4_1 file as it is, through llama.cpp's C API (``llama_batch`` /
   ``llama_decode``): one call prefills the B prompts, each a ``seq_id`` of its own, then each call
   decodes one token of every sequence; greedy argmax over each sequence's logits. By default the
@@ -57,12 +58,13 @@ class Pagellm:
     (``int8_activations``: rounded to int8 per 32 columns for the int4 products)."""
 
     def __init__(self, path: str, max_batch: int, new_tokens: int,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, enforce_eager: bool = False) -> None:
         from pagellm import LLM, SamplingParams
 
         self.llm = LLM(path, dtype="bfloat16", quantization="int4", quantization_group_size=32,
                        int8_activations=int8_activations, max_model_len=512,
-                       kv_cache_memory_bytes=128 << 20, max_num_seqs=max(max_batch, 1))
+                       kv_cache_memory_bytes=128 << 20, max_num_seqs=max(max_batch, 1),
+                       enforce_eager=enforce_eager)
         self.params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         self.new_tokens = new_tokens
         warm = [{"prompt_token_ids": prompt(i)} for i in range(max_batch)]
@@ -217,6 +219,9 @@ def main() -> None:
                         help="pagellm's int4 products with bfloat16 activations (off), with "
                         "activations rounded to int8 per 32 columns as llama.cpp's (on, "
                         "int8_activations=True), or both engines in turn (default)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="pagellm's engines with enforce_eager=True: every decode step "
+                        "through the layers' forward, without the CPU decode plan")
     args = parser.parse_args()
     try:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -245,7 +250,7 @@ def main() -> None:
     engines = {"pagellm_int4": False, "pagellm_int4_a8": True}
     if args.int8_activations != "both":
         engines = {k: v for k, v in engines.items() if v == (args.int8_activations == "on")}
-    pagellms = {name: Pagellm(path, max_batch, args.new_tokens, a8)
+    pagellms = {name: Pagellm(path, max_batch, args.new_tokens, a8, args.enforce_eager)
                 for name, a8 in engines.items()}
     llama = LlamaCpp(path, max_batch, args.new_tokens, args.threads, args.llama_cpp_kv,
                      args.llama_cpp_flash_attn)
@@ -297,6 +302,7 @@ def main() -> None:
         "threads": args.threads, "repeats": args.repeats, "machine": machine,
         "llama_cpp_python": llama_cpp.__version__,
         "llama_cpp": {"kv": args.llama_cpp_kv, "flash_attn": args.llama_cpp_flash_attn},
+        "pagellm_enforce_eager": args.enforce_eager,
         "decode_tokens_per_s": {str(b): best[b] for b in batch_sizes},
         **{f"{name}_vs_llama_cpp": {str(b): round(best[b][name] / best[b]["llama_cpp_q4_1"], 3)
                                     for b in batch_sizes}
