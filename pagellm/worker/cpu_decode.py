@@ -41,7 +41,7 @@ def _matmul_of(linear: object) -> quant_matmul.QuantizedMatmul | None:
         return None
     quantized = linear.quantized
     if quantized is not None:
-        return quantized._matmul if getattr(quantized, "compiled", False) else None
+        return quantized.kernel if getattr(quantized, "compiled", False) else None
     if linear.packed_weight is None and linear.upcast and linear.bf16_kernel is not None:
         return linear.bf16_kernel
     return None

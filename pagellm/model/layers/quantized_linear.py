@@ -60,7 +60,8 @@ class Int8Weight(nn.Module):
         # torch's kernel takes one scale per row; ours run group-wise scales wherever built
         self.compiled = quant_matmul.preferred() or (
             scale.dim() == 2 and quant_matmul.available())
-        self._matmul = quant_matmul.QuantizedMatmul("int8", self.q, self.scale, self.group_size)
+        # the compiled product (QuantizedMatmul), which forward runs where ``compiled``
+        self.kernel = quant_matmul.QuantizedMatmul("int8", self.q, self.scale, self.group_size)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Weight:
@@ -69,7 +70,7 @@ class Int8Weight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compiled:
-            return self._matmul(x)
+            return self.kernel(x)
         if self.scale.dim() == 1:
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
         return F.linear(x.float(), self.dequantized()).to(x.dtype)
@@ -106,7 +107,8 @@ class Int4Weight(nn.Module):
         self._q = None  # the codes as given, kept by the torch layout (dequantized, codes)
         if self.compiled:
             self.register_buffer("packed", quant_matmul.pack_int4(q))
-            self._matmul = quant_matmul.QuantizedMatmul("int4", self.packed,
+            # the compiled product (QuantizedMatmul), which forward runs
+            self.kernel = quant_matmul.QuantizedMatmul("int4", self.packed,
                                                         self.scale_and_zero, group_size)
         else:
             if out_features % 16:
@@ -138,11 +140,11 @@ class Int4Weight(nn.Module):
     def int8_activations(self, on: bool) -> None:
         self._int8_activations = bool(on)
         if self.compiled:
-            self._matmul.int8_activations = self._int8_activations
+            self.kernel.int8_activations = self._int8_activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compiled:
-            return self._matmul(x)
+            return self.kernel(x)
         if self._int8_activations:  # the rounded rows in float32: bfloat16 would round again
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
                 quant_matmul.quantize_activations(x), self.packed, self.group_size,
