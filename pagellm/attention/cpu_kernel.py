@@ -109,16 +109,14 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     the kernel before it attends; without it they must be in the cache already. Caller
     guarantees supports(query).
     """
-    library = _KERNEL.load()
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.dtype == v_cache.dtype == query.dtype):
         raise ValueError("paged_decode_attention needs contiguous caches of the query dtype")
     query = query.contiguous()
     out = torch.empty_like(query)
     new_k = new_v = new_slots = None
-    new_stride = 0
     if new_kv is not None:
         new_k, new_v, new_slots = _rows(new_kv[0]), _rows(new_kv[1]), new_kv[2].contiguous()
         if new_k.stride(0) != new_v.stride(0):  # the kernel takes one stride for both
@@ -129,52 +127,45 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                 and new_slots.dtype == torch.int64):
             raise ValueError(f"paged_decode_attention: new K/V must be {list(shape)} of the "
                              f"cache dtype and slots [{num_seqs}] int64")
-        new_stride = new_k.stride(0)
-    pair_seq, pair_block, pair_phys = pairs
-    threads = torch.get_num_threads()
-    rows = num_seqs * num_heads  # the C side's row_floats(), then one partial sum per thread
-    workspace = _KERNEL.scratch(rows * (max_seq_len + (max_seq_len + 1) // 2 + 1
-                                        + threads * head_dim))
-    args = _DecodeArgs(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        _pointer(new_k), _pointer(new_v), _pointer(new_slots), pair_seq.data_ptr(),
-        pair_block.data_ptr(), pair_phys.data_ptr(), seq_lens.data_ptr(), workspace.data_ptr(),
-        len(pair_seq), num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_seq_len,
-        sliding_window or 0, threads, new_stride, scale)
-    getattr(library, "paged_decode_attention_" + _SUFFIX[query.dtype])(ctypes.byref(args))
+    call = prepared_decode_attention(query, k_cache, v_cache, out, new_k, new_v, scale,
+                                     sliding_window)
+    set_step(call, pairs, seq_lens, max_seq_len, new_slots,
+             decode_workspace(num_seqs, num_heads, head_dim, max_seq_len))
+    call()
     return out
 
 
 def prepared_decode_attention(query: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, out: torch.Tensor,
-                              new_k: torch.Tensor, new_v: torch.Tensor, scale: float,
-                              sliding_window: int | None) -> native.PreparedCall:
-    """paged_decode_attention into ``out`` as a prepared call, for a query, out and new K/V
-    [rows, heads, D] that stay where they are (new K/V: token rows of one stride). The step's
-    fields (pairs, seq_lens, slots, workspace, max_seq_len, num_seqs) are set on its args
-    before each call (set_step). Caller checks supports(query) and contiguous caches of the
-    query dtype."""
+                              new_k: torch.Tensor | None, new_v: torch.Tensor | None,
+                              scale: float, sliding_window: int | None
+                              ) -> native.PreparedCall:
+    """The decode kernel's call into ``out``, for a query [rows, heads, D], out and new K/V
+    (token rows of one stride; None: the step's K/V are in the cache already) that stay where
+    they are. The step's fields (pairs, seq_lens, slots, workspace, max_seq_len, num_seqs) are
+    set on its args before each call (set_step). Caller checks supports(query) and contiguous
+    caches of the query dtype."""
     num_seqs, num_heads, head_dim = query.shape
     args = _DecodeArgs(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        new_k.data_ptr(), new_v.data_ptr(), None, None, None, None, None, None, 0, num_seqs,
+        _pointer(new_k), _pointer(new_v), None, None, None, None, None, None, 0, num_seqs,
         num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], 0, sliding_window or 0,
-        torch.get_num_threads(), new_k.stride(0), scale)
+        torch.get_num_threads(), 0 if new_k is None else new_k.stride(0), scale)
     library = _KERNEL.load()
     return native.PreparedCall(getattr(library, "paged_decode_attention_"
                                        + _SUFFIX[query.dtype]), args)
 
 
 def set_step(call: native.PreparedCall, pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-             seq_lens: torch.Tensor, max_seq_len: int, slots: torch.Tensor,
+             seq_lens: torch.Tensor, max_seq_len: int, slots: torch.Tensor | None,
              workspace: torch.Tensor) -> None:
-    """The step's fields of a prepared_decode_attention call, as paged_decode_attention sets
-    them (the workspace from decode_workspace, the same for every layer of the step)."""
+    """The step's fields of a prepared_decode_attention call (the workspace from
+    decode_workspace, which every layer of a step may share)."""
     args = call.args
     args.pair_seq, args.pair_block, args.pair_phys = (pairs[0].data_ptr(), pairs[1].data_ptr(),
                                                       pairs[2].data_ptr())
     args.num_pairs, args.num_seqs = len(pairs[0]), len(seq_lens)
-    args.seq_lens, args.new_slots, args.max_seq_len = (seq_lens.data_ptr(), slots.data_ptr(),
+    args.seq_lens, args.new_slots, args.max_seq_len = (seq_lens.data_ptr(), _pointer(slots),
                                                        max_seq_len)
     args.workspace = workspace.data_ptr()
 

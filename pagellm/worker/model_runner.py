@@ -98,7 +98,7 @@ class ModelRunner:
         hidden = None
         if self.decode_graphs is not None:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.metadata)
-        if self.cpu_decode is not None:
+        elif self.cpu_decode is not None:
             hidden = self.cpu_decode.run(inputs.input_ids, inputs.metadata)
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.metadata.positions,

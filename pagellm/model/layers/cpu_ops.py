@@ -177,14 +177,10 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
              eps: float) -> torch.Tensor:
     """RMSNorm of the rows of x [..., n] (contiguous), after adding ``residual`` (same shape,
     contiguous; then updated in place to residual + x). Caller checks available(x)."""
-    n = x.shape[-1]
     out = torch.empty_like(x)
-    threads = torch.get_num_threads()
-    scratch = _LIBRARY.scratch(2 * n * threads)  # float32: h and its squares, per thread
-    args = _RMSArgs(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                    weight.data_ptr(), out.data_ptr(), scratch.data_ptr(), x.numel() // n, n,
-                    _LIBRARY.lanes, threads, eps)
-    getattr(_LIBRARY.library, "rms_norm_" + _SUFFIX[x.dtype])(ctypes.byref(args))
+    # float32: h and its squares, per thread
+    scratch = _LIBRARY.scratch(2 * x.shape[-1] * torch.get_num_threads())
+    prepared_rms_norm(x, residual, weight, eps, out, scratch)()
     return out
 
 
@@ -192,25 +188,20 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Rotate x [tokens, heads, head_dim] in place (heads and head_dim contiguous, any token
     stride) by cos, sin [tokens, head_dim] (contiguous, x's dtype). Caller checks
     available(x)."""
-    tokens, heads, head_dim = x.shape
+    tokens, _, head_dim = x.shape
     if not (cos.dtype == sin.dtype == x.dtype and cos.shape == sin.shape == (tokens, head_dim)
             and cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError(f"rotary_: cos and sin must be contiguous [{tokens}, {head_dim}] of "
                          f"{x.dtype}, got {tuple(cos.shape)} {cos.dtype}")
-    args = _RopeArgs(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim,
-                     x.stride(0), torch.get_num_threads())
-    getattr(_LIBRARY.library, "rotary_" + _SUFFIX[x.dtype])(ctypes.byref(args))
+    prepared_rotary(x, cos, sin)()
     return x
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [rows, 2 * n] (bfloat16, rows of contiguous elements) -> silu(gate) * up
     [rows, n], rounded as F.silu(gate) * up. Caller checks available(gate_up) and the dtype."""
-    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, n, dtype=gate_up.dtype)
-    args = _SiluArgs(gate_up.data_ptr(), out.data_ptr(), rows, n, gate_up.stride(0),
-                     torch.get_num_threads())
-    _LIBRARY.library.silu_and_mul_bf16(ctypes.byref(args))
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+    prepared_silu_and_mul(gate_up, out)()
     return out
 
 
@@ -218,8 +209,8 @@ def prepared_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
                       eps: float, out: torch.Tensor, scratch: torch.Tensor
                       ) -> native.PreparedCall:
     """rms_norm(x, residual, weight, eps) into ``out`` as a prepared call, for buffers that
-    stay where they are (``scratch``: 2 * n * threads floats); rows and threads may be set on
-    its args later. Caller checks available(x, "rms_norm")."""
+    stay where they are (``scratch``: 2 * n * threads floats). Caller checks
+    available(x, "rms_norm")."""
     n = x.shape[-1]
     args = _RMSArgs(x.data_ptr(), None if residual is None else residual.data_ptr(),
                     weight.data_ptr(), out.data_ptr(), scratch.data_ptr(), x.numel() // n, n,
@@ -229,8 +220,8 @@ def prepared_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
 
 def prepared_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     ) -> native.PreparedCall:
-    """rotary_(x, cos, sin) as a prepared call (``args.cos``, ``args.sin``, ``args.tokens``
-    may be set later). Caller checks available(x, "rotary")."""
+    """rotary_(x, cos, sin) as a prepared call, for x, cos and sin that stay where they are
+    (cos, sin: contiguous [tokens, head_dim]). Caller checks available(x, "rotary")."""
     tokens, heads, head_dim = x.shape
     args = _RopeArgs(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim,
                      x.stride(0), torch.get_num_threads())

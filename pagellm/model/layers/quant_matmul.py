@@ -158,8 +158,7 @@ class QuantizedMatmul:
         args = self.args
         if integer and num_rows >= INTEGER_ROWS:  # the float loops on the rounded rows
             rows, integer = _rounded_rows(library, args, rows), False
-        args.x, args.rows, args.x_stride = rows.data_ptr(), num_rows, rows.stride(0)
-        args.x_bf16, args.num_threads = rows.dtype == torch.bfloat16, torch.get_num_threads()
+        _set_rows(args, rows)
         bias = self.bias if add_bias else None
         args.bias = None if bias is None else bias.data_ptr()
         if num_rows >= GEMM_ROWS:
@@ -171,11 +170,9 @@ class QuantizedMatmul:
             # activations: a scale per 32 columns, the group sums and a byte per column)
             args.workspace = _LIBRARY.scratch(num_rows * (in_features + in_features // 16)
                                               ).data_ptr()
-            getattr(library, "int4_a8_matmul" if integer
-                    else f"{self.kind}_matmul")(self.pointer)
+            getattr(library, _kernel(self.kind, integer))(self.pointer)
         out = out.to(x.dtype)  # rounded rows: float32, rounded once here
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
-
 
     def prepared(self, x: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor
                  ) -> Callable[[], None]:
@@ -189,12 +186,10 @@ class QuantizedMatmul:
         library = _LIBRARY.load()
         integer = self.int8_activations and self.kind == "int4"
         args = _Args.from_buffer_copy(self.args)
-        args.x, args.rows, args.x_stride = x.data_ptr(), rows, x.stride(0)
-        args.x_bf16, args.num_threads = x.dtype == torch.bfloat16, torch.get_num_threads()
+        _set_rows(args, x)
         args.out, args.workspace, args.bias = out.data_ptr(), workspace.data_ptr(), None
         if not integer or rows < INTEGER_ROWS:
-            return native.PreparedCall(getattr(library, "int4_a8_matmul" if integer
-                                               else f"{self.kind}_matmul"), args)
+            return native.PreparedCall(getattr(library, _kernel(self.kind, integer)), args)
         # as __call__ from INTEGER_ROWS rows: the rows rounded in float32, the float loops
         # into float32, rounded once to x's dtype
         rounded = torch.empty(rows, self.in_features)
@@ -251,12 +246,23 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return QuantizedMatmul("int8", q, scale, group_size)(x)
 
 
+def _set_rows(args: _Args, rows: torch.Tensor) -> None:
+    """x [rows, K] (unit column stride) on a kernel's args: its pointer, row count, row
+    stride and dtype, and the thread count."""
+    args.x, args.rows, args.x_stride = rows.data_ptr(), rows.shape[0], rows.stride(0)
+    args.x_bf16, args.num_threads = rows.dtype == torch.bfloat16, torch.get_num_threads()
+
+
+def _kernel(kind: str, integer: bool) -> str:
+    """The product's C function: int4_a8_matmul for int8 activations, else by kind."""
+    return "int4_a8_matmul" if integer else f"{kind}_matmul"
+
+
 def _rounded_rows(library: ctypes.CDLL, args: _Args, rows: torch.Tensor) -> torch.Tensor:
     """rows [M, K] (unit column stride) as quantize_activations rounds them, float32, by the
     compiled round_activations (one pass; the torch ops take ~10 passes)."""
     out = torch.empty(rows.shape, dtype=torch.float32)
-    args.x, args.rows, args.x_stride = rows.data_ptr(), rows.shape[0], rows.stride(0)
-    args.x_bf16 = rows.dtype == torch.bfloat16
+    _set_rows(args, rows)
     library.round_activations(ctypes.byref(args), out.data_ptr())
     return out
 
