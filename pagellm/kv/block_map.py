@@ -104,9 +104,10 @@ def pool_map(pool: BlockPool, tables: Iterable[tuple[Hashable, BlockTable]],
             fill[block_id] = table.block_size
         if block_ids:
             fill[block_ids[-1]] = table.num_tokens_in_last_block()
-    blocks = pool.blocks[:num_shown]
-    ref_cnt = [block.ref_cnt for block in blocks]
-    cached = [0 if block.block_hash is None else 1 for block in blocks]
+    blocks = pool.blocks[:num_shown]  # past its end, blocks never handed out: free, empty
+    unborn = [0] * (num_shown - len(blocks))
+    ref_cnt = [block.ref_cnt for block in blocks] + unborn
+    cached = [0 if block.block_hash is None else 1 for block in blocks] + unborn
     state = [USED if refs else CACHED_FREE if hashed else FREE
              for refs, hashed in zip(ref_cnt, cached)]
     return PoolMap(pool.num_blocks, state, ref_cnt, fill, cached, owners)

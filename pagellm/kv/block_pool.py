@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter
-from collections.abc import Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -70,10 +70,19 @@ class FreeBlockQueue:
 
     Why not a deque: a prefix hit takes a cached block out of the *middle* of the free queue, which
     is O(n) for ``deque.remove`` and O(1) here. The head is evicted first; the tail last.
-    Invariant: ``num_free_blocks`` equals the number of blocks between the two sentinels.
+
+    Blocks never handed out yet need not exist as objects: ``num_unborn`` of them wait as one
+    run at the marker's place in the list (where the pool's initial blocks would stand), and
+    ``popleft`` reaching the marker creates the next one with ``create``. A pool of a million
+    blocks (a swap space of GiBs for a small model) thus costs nothing until it is used.
+    Invariant: ``num_free_blocks`` equals the number of blocks between the two sentinels plus
+    ``num_unborn``.
     """
 
-    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+    def __init__(self, blocks: Iterable[KVCacheBlock] = (), num_unborn: int = 0,
+                 create: Callable[[], KVCacheBlock] | None = None) -> None:
+        if num_unborn and create is None:
+            raise ValueError("unborn blocks need a create function")
         self._head = KVCacheBlock(-1)
         self._tail = KVCacheBlock(-1)
         self._head.next_free = self._tail
@@ -81,6 +90,12 @@ class FreeBlockQueue:
         self.num_free_blocks = 0
         for block in blocks:
             self.append(block)
+        self._marker = KVCacheBlock(-2)
+        self._create = create
+        self.num_unborn = num_unborn
+        if num_unborn:
+            self._insert(self._marker, self._tail.prev_free, self._tail)
+            self.num_free_blocks += num_unborn - 1
 
     def __len__(self) -> int:
         return self.num_free_blocks
@@ -89,6 +104,14 @@ class FreeBlockQueue:
         block = self._head.next_free
         if block is self._tail:
             raise IndexError("no free blocks")
+        if block is self._marker:
+            assert self._create is not None
+            self.num_unborn -= 1
+            if self.num_unborn:
+                self.num_free_blocks -= 1
+            else:
+                self.remove(block)
+            return self._create()
         self.remove(block)
         return block
 
@@ -116,9 +139,11 @@ class FreeBlockQueue:
         self.num_free_blocks += 1
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
+        """The blocks that exist, in queue order (the unborn ones are not yielded)."""
         block = self._head.next_free
         while block is not self._tail:
-            yield block
+            if block is not self._marker:
+                yield block
             block = block.next_free
 
 
@@ -137,9 +162,16 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        # The blocks handed out so far, indexed by id: ids are handed out first in increasing
+        # order, so this list is blocks 0 .. len - 1 and every block past it is free and empty.
+        self.blocks: list[KVCacheBlock] = []
+        self.free_queue = FreeBlockQueue(num_unborn=num_blocks, create=self._create_block)
         self.cached: dict[bytes, KVCacheBlock] = {}  # hash value -> block holding it
+
+    def _create_block(self) -> KVCacheBlock:
+        block = KVCacheBlock(len(self.blocks))
+        self.blocks.append(block)
+        return block
 
     @property
     def num_free_blocks(self) -> int:
@@ -215,8 +247,11 @@ class BlockPool:
     def check_invariants(self, ref_counts: Counter[int]) -> None:
         """``ref_counts``: how many block tables hold each block id. Raises AssertionError."""
         free_ids = [block.block_id for block in self.free_queue]
-        assert len(free_ids) == len(set(free_ids)) == self.free_queue.num_free_blocks, \
+        queue = self.free_queue
+        assert len(free_ids) == len(set(free_ids)) == queue.num_free_blocks - queue.num_unborn, \
             "free queue holds a block twice or miscounts"
+        assert len(self.blocks) + queue.num_unborn == self.num_blocks, "blocks lost or made twice"
+        assert all(block.block_id == i for i, block in enumerate(self.blocks))
         free = set(free_ids)
         for block in self.blocks:
             expected = ref_counts.get(block.block_id, 0)
@@ -228,7 +263,8 @@ class BlockPool:
             if block.block_hash is not None:
                 assert self.cached.get(block.block_hash.value) is block, \
                     f"block {block.block_id} holds a hash the index does not map to it"
-        assert set(ref_counts) <= set(range(self.num_blocks)), "a table holds an unknown block"
+        assert all(0 <= b < len(self.blocks) for b in ref_counts), \
+            "a table holds a block the pool never handed out"
         assert self.num_free_blocks + sum(1 for b in self.blocks if b.ref_cnt) == self.num_blocks
         for value, block in self.cached.items():
             assert block.block_hash is not None and block.block_hash.value == value

@@ -54,6 +54,61 @@ def test_free_queue_empty_and_misuse():
     assert len(queue) == 1
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_unborn_blocks_queue_as_the_initial_blocks_would(seed):
+    """A queue whose blocks are created as popleft reaches them hands out, under any mix of
+    popleft / append / appendleft / remove, the blocks a queue holding all of them from the
+    start hands out, in the same order, and counts the same."""
+    import random
+
+    rng = random.Random(seed)
+    num = 12
+    eager_blocks = [KVCacheBlock(i) for i in range(num)]
+    eager = FreeBlockQueue(eager_blocks)
+    created: list[KVCacheBlock] = []
+
+    def create() -> KVCacheBlock:
+        created.append(KVCacheBlock(len(created)))
+        return created[-1]
+
+    lazy = FreeBlockQueue(num_unborn=num, create=create)
+    taken: list[int] = []  # ids out of both queues
+    for _ in range(300):
+        op = rng.choice(["pop", "pop", "append", "appendleft", "remove"])
+        if op == "pop" and len(eager):
+            block = eager.popleft()
+            assert lazy.popleft().block_id == block.block_id
+            taken.append(block.block_id)
+        elif op in ("append", "appendleft") and taken:
+            block_id = taken.pop(rng.randrange(len(taken)))
+            getattr(eager, op)(eager_blocks[block_id])
+            getattr(lazy, op)(created[block_id])
+        elif op == "remove":
+            returned = [b.block_id for b in lazy]  # the created blocks in the queue
+            if returned:
+                block_id = rng.choice(returned)
+                eager.remove(eager_blocks[block_id])
+                lazy.remove(created[block_id])
+                taken.append(block_id)
+        assert len(lazy) == len(eager)
+        assert ids(lazy) == [i for i in ids(eager) if i < len(created)]
+        assert lazy.num_unborn == num - len(created)
+    while len(eager):
+        assert lazy.popleft().block_id == eager.popleft().block_id
+    with pytest.raises(IndexError):
+        lazy.popleft()
+
+
+def test_a_pool_creates_its_blocks_only_when_handed_out():
+    pool = BlockPool(10 ** 7)  # ten million blocks: nothing is built for them up front
+    assert pool.num_free_blocks == 10 ** 7 and pool.blocks == []
+    first = pool.get_new_blocks(3)
+    assert [b.block_id for b in first] == [0, 1, 2] and pool.blocks == first
+    pool.free_blocks(reversed(first))
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [0, 1, 2, 3]
+    pool.check_invariants(Counter({0: 1, 1: 1, 2: 1, 3: 1}))
+
+
 def test_get_new_blocks_and_free_keep_ref_counts():
     pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)

@@ -284,8 +284,12 @@ def test_free_returns_blocks_tail_first_and_keeps_hashes():
     mgr = make(num_blocks=4, caching=True)
     mgr.allocate_slots("a", list(range(12)), 12)
     mgr.free("a")
-    assert [b.block_id for b in mgr.block_pool.free_queue] == [3, 2, 1, 0]
+    # block 3, never handed out, is evicted first (it exists once the queue reaches it)
+    queue = mgr.block_pool.free_queue
+    assert queue.num_unborn == 1 and [b.block_id for b in queue] == [2, 1, 0]
     assert mgr.get_stats().num_cached_blocks == 3
+    assert [b.block_id for b in mgr.block_pool.get_new_blocks(1)] == [3]
+    mgr.block_pool.free_blocks(mgr.block_pool.blocks[3:])
     assert mgr.lookup_prefix(list(range(13))).num_tokens == 12
 
 
