@@ -48,12 +48,17 @@ class ScheduledSequence:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """One step's plan. Copies must be done before the model runs, swap-outs before swap-ins
-    (a swapped-in sequence may reuse blocks another one just left), both before copies.
+    """One step's plan. Its block copies run before the model, in this order:
+    ``blocks_to_copy_first`` (the contiguous baseline's fork copies, made by the last step's
+    update: this step may swap out their destinations, or give their sources or destinations
+    to a swapped-in sequence), then swap-outs before swap-ins (a swapped-in sequence may
+    reuse blocks another one just left), then ``blocks_to_copy`` (copy-on-write into blocks
+    allocated this step, which the swap-outs may have just freed).
     ``finished_seq_ids``: sequences that ended since the last plan (the runner drops their
     per-sequence state, e.g. random generators)."""
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
+    blocks_to_copy_first: BlockPairs = field(default_factory=list)
     blocks_to_copy: BlockPairs = field(default_factory=list)
     blocks_to_swap_out: BlockPairs = field(default_factory=list)
     blocks_to_swap_in: BlockPairs = field(default_factory=list)

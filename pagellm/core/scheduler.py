@@ -146,7 +146,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(blocks_to_copy=self._pending_copies,
+        out = SchedulerOutput(blocks_to_copy_first=self._pending_copies,
                               finished_seq_ids=self._finished_seq_ids)
         self._pending_copies, self._finished_seq_ids = [], []
         self._step_loras = set()

@@ -90,6 +90,9 @@ class Worker:
         return [-1 if lora is None else slots[lora.lora_int_id] for lora in loras]
 
     def _apply_cache_ops(self, plan: SchedulerOutput) -> None:
+        """In the plan's order (SchedulerOutput)."""
+        if plan.blocks_to_copy_first:
+            self.cache_engine.copy_blocks(plan.blocks_to_copy_first)
         if plan.blocks_to_swap_out:
             self.cache_engine.swap_out(plan.blocks_to_swap_out)
         if plan.blocks_to_swap_in:

@@ -3,6 +3,9 @@ max_num_seqs with forks, priority preemption, swap-then-waiting order, chunked p
 decodes, prefix hits, and the defects each of these tests was written for."""
 from __future__ import annotations
 
+import random
+
+from kv_shadow import ShadowKV
 from scheduler_helpers import (EOS, fake_output, make_request, make_scheduler,
                                run_to_completion, step)
 
@@ -220,3 +223,53 @@ def test_a_swap_made_for_priority_is_not_undone_in_the_same_step():
     assert [s.seq_id for s in sched.swapped] == ["low2#0"]
     run_to_completion(sched)
     assert sched.kv.get_stats().num_free_blocks == 8
+
+
+def test_a_contiguous_fork_swapped_out_in_the_next_step_keeps_its_copy():
+    """Defect: the contiguous baseline's fork copies (the parent's blocks into the child's
+    reservation) ran after the next step's swap-outs, so a child preempted by swap in that
+    step took the reservation's old contents to the CPU (found by the state machine). They
+    now run first (blocks_to_copy_first), and the swapped-in child reads its own prompt."""
+    sched = make_scheduler(num_blocks=6, block_size=1, num_cpu_blocks=1, max_num_seqs=3,
+                           budget=24, max_model_len=3, policy="priority", contiguous=True,
+                           chunked=False)
+    shadow = ShadowKV(6, 1, 1)
+    rng = random.Random(0)
+    names = iter(range(100))
+
+    def add(token: int, n: int = 1, priority: int = 0) -> None:
+        i = next(names)
+        sched.add_request(make_request(f"r{i}", prompt=[token], n=n, max_tokens=n,
+                                       priority=priority, arrival_time=float(i), min_tokens=0))
+
+    def run_step() -> list[str]:
+        plan = sched.schedule()
+        shadow.copy_blocks(plan.blocks_to_copy_first)  # the worker's order
+        shadow.swap_out(plan.blocks_to_swap_out)
+        shadow.swap_in(plan.blocks_to_swap_in)
+        shadow.copy_blocks(plan.blocks_to_copy)
+        wrong = []
+        for item in plan.scheduled:
+            end = item.num_computed_tokens + item.num_new_tokens
+            shadow.write(item.block_table, item.token_ids, item.num_computed_tokens, end)
+        for item in plan.scheduled:
+            end = item.num_computed_tokens + item.num_new_tokens
+            if shadow.read(item.block_table, end) != list(item.token_ids[:end]):
+                wrong.append(item.seq_id)
+        sched.update_from_output(plan, fake_output(plan, rng=rng))
+        return wrong
+
+    add(30)
+    assert run_step() == []
+    for token in (30, 30, 30):
+        add(token)
+    assert run_step() == []
+    add(30)
+    assert run_step() == []
+    add(31)  # takes the block the child's reservation will start at
+    add(30, n=2, priority=1)  # forks after its prompt step
+    assert run_step() == []
+    add(30)  # admitted before the child: the child is swapped out as its fork copy runs
+    assert run_step() == [] and sched.num_swap_outs == 1
+    assert run_step() == []  # the child swapped back in reads its prompt
+    assert not sched.swapped

@@ -70,6 +70,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.sched.schedule()
         assert plan.num_batched_tokens <= self.sched.config.max_num_batched_tokens
         assert plan.num_batched_tokens == sum(i.num_new_tokens for i in plan.scheduled)
+        self._apply_copies(plan)  # the engine applies an empty plan's copies too
         if plan.is_empty:
             self._fail_unschedulable()
             return
@@ -86,9 +87,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def failed_step(self):
         """The runner raised: the engine aborts the plan's requests."""
         plan = self.sched.schedule()
-        self.shadow.swap_out(plan.blocks_to_swap_out)  # done before the model fails
-        self.shadow.swap_in(plan.blocks_to_swap_in)
-        self.shadow.copy_blocks(plan.blocks_to_copy)
+        self._apply_copies(plan)  # done before the model fails
         ids = {self.sched.seqs[i.seq_id].request.request_id for i in plan.scheduled}
         for request_id in ids:
             self.sched.abort_request(self.requests[request_id])
@@ -111,9 +110,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Apply the plan's copies, write the step's K/V, then check that every token each
         sequence attends to (prefix hits included) holds what it should: a stale prefix hit,
         a lost copy-on-write or swap would read another token."""
-        self.shadow.swap_out(plan.blocks_to_swap_out)
-        self.shadow.swap_in(plan.blocks_to_swap_in)
-        self.shadow.copy_blocks(plan.blocks_to_copy)
         for item in plan.scheduled:
             end = item.num_computed_tokens + item.num_new_tokens
             self.shadow.write(item.block_table, item.token_ids, item.num_computed_tokens, end)
@@ -121,6 +117,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             end = item.num_computed_tokens + item.num_new_tokens
             assert self.shadow.read(item.block_table, end) == list(item.token_ids[:end]), \
                 f"{item.seq_id} attends to K/V that is not its tokens'"
+
+    def _apply_copies(self, plan):
+        """The plan's block copies, in the worker's order (SchedulerOutput)."""
+        self.shadow.copy_blocks(plan.blocks_to_copy_first)
+        self.shadow.swap_out(plan.blocks_to_swap_out)
+        self.shadow.swap_in(plan.blocks_to_swap_in)
+        self.shadow.copy_blocks(plan.blocks_to_copy)
 
     def _fail_unschedulable(self):
         """As the engine: nothing running or swapped and the head never fits: abort it."""
