@@ -11,10 +11,13 @@ arguments prepared once per number of sequences and buffers allocated once:
     (storing the step's K/V) -> o product -> rms_norm (+ residual) -> gate_up product ->
     SiLU-and-multiply -> down product, per layer; then the final rms_norm.
 
-Between the kernels only the step's fields are set (the attention's block pairs, lengths,
-slots and workspace; rotary's cos and sin), so its hidden states equal the eager forward's
-bit for bit (tests/engine/test_cpu_decode.py). The embedding lookup, the rotary angles and the
-vocabulary projection stay with the model. Anything else (prefill, more sequences than
+A projection on pagellm's compiled products (int4/int8, the bfloat16 kernel) is a prepared
+call too; one on torch's kernels (the int4/int8 layers on AVX-512 CPUs, oneDNN's packed
+bfloat16 weights) or with a bias the kernel sums runs the layer's own forward, its result
+copied into the plan's buffer. Between the kernels only the step's fields are set (the
+attention's block pairs, lengths, slots and workspace; rotary's cos and sin), so its hidden
+states equal the eager forward's bit for bit (tests/engine/test_cpu_decode.py). The embedding
+lookup, the rotary angles and the vocabulary projection stay with the model. Anything else (prefill, more sequences than
 ``max_rows``, a model or configuration it does not support) runs the eager forward: ``run``
 returns None. ``enforce_eager=True`` turns it off, as it turns off CUDA graphs on the GPU.
 """
@@ -32,19 +35,33 @@ from pagellm.model.layers import Linear, cpu_ops, quant_matmul
 from pagellm.native import PreparedCall
 
 
-def _matmul_of(linear: object) -> quant_matmul.QuantizedMatmul | None:
+def _matmul_of(linear: Linear) -> quant_matmul.QuantizedMatmul | None:
     """The compiled product a decode step's Linear runs (weight-only quantized, or the
-    bfloat16 kernel), when it runs one without a bias or a reduction of its own."""
-    if not isinstance(linear, Linear) or linear.bias is not None:
-        return None
-    if getattr(linear, "tp", None) is not None and linear.tp.world_size > 1:
-        return None
+    bfloat16 kernel), if it runs one."""
     quantized = linear.quantized
     if quantized is not None:
         return quantized.kernel if getattr(quantized, "compiled", False) else None
     if linear.packed_weight is None and linear.upcast and linear.bf16_kernel is not None:
         return linear.bf16_kernel
     return None
+
+
+def _projection(linear: Linear, x: torch.Tensor, out: torch.Tensor,
+                workspace: torch.Tensor) -> list[Callable[[], object]]:
+    """The calls that write linear(x) into ``out``, as the layer's forward computes it.
+
+    A compiled product is a prepared call, its bias (quantized layers: ``out + bias``) added
+    in place; any other projection (torch's int4/int8 kernels, oneDNN's packed weights, the
+    bfloat16 kernel with its bias in the sums) runs the layer's forward on the same values,
+    its result copied into ``out``."""
+    matmul = _matmul_of(linear)
+    if matmul is not None and (linear.bias is None or linear.quantized is not None):
+        calls: list[Callable[[], object]] = [matmul.prepared(x, out, workspace)]
+        if linear.bias is not None:
+            calls.append(lambda bias=linear.bias: out.add_(bias))
+        return calls
+    forward = linear.forward
+    return [lambda: out.copy_(forward(x))]
 
 
 class CpuDecodePlan:
@@ -79,7 +96,7 @@ class CpuDecodePlan:
         self.workspace = torch.zeros(rows * (widest + widest // 16) + 64)
         self.threads = 0
         self.norm_scratch = torch.zeros(0)
-        self._plans: dict[int, tuple[list[Callable[[], None]], list[PreparedCall]]] = {}
+        self._plans: dict[int, tuple[list[Callable[[], object]], list[PreparedCall]]] = {}
 
     @staticmethod
     def supports(model: CausalLM, kv_caches: list) -> str | None:
@@ -101,8 +118,10 @@ class CpuDecodePlan:
                 return "a replaced attention layer"
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                            layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                if not isinstance(linear, Linear) or _matmul_of(linear) is None:
-                    return "a projection without a compiled kernel (or with a bias, or split)"
+                if not isinstance(linear, Linear):
+                    return "a replaced projection (LoRA)"
+                if getattr(linear, "tp", None) is not None and linear.tp.world_size > 1:
+                    return "tensor parallelism (projections split across ranks)"
         probe = torch.empty(1, 1, dtype=dtype)
         for op in ("rms_norm", "rotary", "silu_and_mul"):
             if not cpu_ops.available(probe, op):
@@ -143,13 +162,13 @@ class CpuDecodePlan:
             call()
         return self.final[:rows]
 
-    def _plan(self, rows: int) -> tuple[list[Callable[[], None]], list[PreparedCall]]:
+    def _plan(self, rows: int) -> tuple[list[Callable[[], object]], list[PreparedCall]]:
         plan = self._plans.get(rows)
         if plan is None:
             plan = self._plans[rows] = self._build(rows)
         return plan
 
-    def _build(self, rows: int) -> tuple[list[Callable[[], None]], list[PreparedCall]]:
+    def _build(self, rows: int) -> tuple[list[Callable[[], object]], list[PreparedCall]]:
         """The step's calls for ``rows`` sequences, and the attention calls among them."""
         decoder = self.model.model
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -158,7 +177,7 @@ class CpuDecodePlan:
         query = view[:, :H] if rows == 1 else self.query[:rows].view(rows, H, D)
         key, value = view[:, H:H + KVH], view[:, H + KVH:]
         attn_out = self.attn_out[:rows]
-        calls: list[Callable[[], None]] = []
+        calls: list[Callable[[], object]] = []
         attention: list[PreparedCall] = []
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(decoder.layers,
                                                                 self.kv_caches)):
@@ -171,7 +190,7 @@ class CpuDecodePlan:
                 calls.append(cpu_ops.prepared_rms_norm(self.down[:rows], residual,
                                                        norm.weight, norm.eps, normed,
                                                        self.norm_scratch))
-            calls.append(_matmul_of(attn.qkv_proj).prepared(normed, qkv, self.workspace))
+            calls += _projection(attn.qkv_proj, normed, qkv, self.workspace)
             calls.append(cpu_ops.prepared_rotary(view[:, :H + KVH], self.cos[:rows],
                                                  self.sin[:rows]))
             if rows > 1:  # the queries gathered, as the layer's query.contiguous()
@@ -181,16 +200,14 @@ class CpuDecodePlan:
                 attn.attn.scale, attn.attn.sliding_window)
             calls.append(call)
             attention.append(call)
-            calls.append(_matmul_of(attn.o_proj).prepared(attn_out, self.o_out[:rows],
-                                                          self.workspace))
+            calls += _projection(attn.o_proj, attn_out, self.o_out[:rows], self.workspace)
             post = layer.post_attention_layernorm
             calls.append(cpu_ops.prepared_rms_norm(self.o_out[:rows], residual, post.weight,
                                                    post.eps, normed, self.norm_scratch))
-            calls.append(_matmul_of(mlp.gate_up_proj).prepared(normed, self.gate_up[:rows],
-                                                               self.workspace))
+            calls += _projection(mlp.gate_up_proj, normed, self.gate_up[:rows], self.workspace)
             calls.append(cpu_ops.prepared_silu_and_mul(self.gate_up[:rows], self.act[:rows]))
-            calls.append(_matmul_of(mlp.down_proj).prepared(self.act[:rows], self.down[:rows],
-                                                            self.workspace))
+            calls += _projection(mlp.down_proj, self.act[:rows], self.down[:rows],
+                                 self.workspace)
         final = decoder.norm
         calls.append(cpu_ops.prepared_rms_norm(self.down[:rows], residual, final.weight,
                                                final.eps, self.final[:rows],

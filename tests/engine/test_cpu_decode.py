@@ -1,8 +1,8 @@
 """The CPU decode plan (worker/cpu_decode.py): the layers' kernels called in a row give the
 eager forward's results bit for bit, and every step it does not serve runs the forward.
 
-The compiled matmuls are made the layers' choice on every CPU (on AVX-512 CPUs the int4
-layers would otherwise take torch's kernels, which the plan does not call); the plan needs the
+The quantized layers are made to take the compiled matmuls, or torch's kernels, on every CPU
+(each CPU's own choice is one of the two: torch's on AVX-512 CPUs); the plan needs the
 compiled layer ops, which a CPU may have turned off (they must match torch bit for bit there):
 then the tests check that the engine says so and runs eagerly.
 """
@@ -22,6 +22,13 @@ def compiled_matmuls(monkeypatch):
     if not quant_matmul.available():
         pytest.skip("the compiled matmul kernels are off here")
     monkeypatch.setattr(quant_matmul, "preferred", quant_matmul.available)
+
+
+@pytest.fixture
+def torch_matmuls(monkeypatch):
+    """The int4 and per-channel int8 layers on torch's weight-only kernels, as on AVX-512
+    CPUs (group-wise int8 keeps the compiled kernel wherever it is built)."""
+    monkeypatch.setattr(quant_matmul, "preferred", lambda: False)
 
 
 def engine(llama_dir, **options) -> LLM:
@@ -87,11 +94,43 @@ def test_plan_gives_the_forward_s_tokens_and_logprobs_exactly(llama_dir, compile
     assert sum(served) > 0 and not all(served)  # the prefill steps ran the forward
 
 
+@pytest.mark.parametrize("options", [
+    dict(quantization="int4", quantization_group_size=32),
+    dict(quantization="int4", quantization_group_size=32, int8_activations=True),
+    dict(quantization="int8")])
+def test_plan_on_torch_s_kernels(llama_dir, torch_matmuls, options):
+    """Projections on torch's int4/int8 kernels run the layer's forward inside the plan, the
+    rest of the step prepared: still the forward's tokens and logprobs bit for bit."""
+    llm = engine(llama_dir, **options)
+    plan = plan_or_skip(llm)
+    assert not any(getattr(m, "compiled", True) for m in llm.llm_engine.runner.model.modules()
+                   if type(m).__name__ in ("Int4Weight", "Int8Weight"))
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(5, [5, 9, 3], seed=5)]
+    served: list[int] = []
+    for count in (1, 5):
+        assert generate(llm, prompts[:count], plan, served) == generate(llm, prompts[:count],
+                                                                        None, [])
+    assert any(served)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(quantization="int4",
+                                                  quantization_group_size=32)])
+def test_projections_with_a_bias(model_factory, compiled_matmuls, options):
+    """Qwen2's q/k/v biases: added after a quantized product (as the layer adds them), or
+    summed by the bfloat16 layer's own kernel through its forward."""
+    llm = engine(model_factory("Qwen2ForCausalLM"), **options)
+    plan = plan_or_skip(llm)
+    assert llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj.bias is not None
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(3, [7, 4], seed=6)]
+    served: list[int] = []
+    assert generate(llm, prompts, plan, served) == generate(llm, prompts, None, [])
+    assert any(served)
+
+
 def test_bfloat16_weights_and_thread_counts(llama_dir):
-    """Unquantized bfloat16 projections where they run the compiled bfloat16 kernel (CPUs
-    without oneDNN's bfloat16 path; elsewhere oneDNN's packed weights keep the plan off), with
-    one and two torch threads: a changed thread count rebuilds the calls (their thread
-    counts and scratch)."""
+    """Unquantized bfloat16 projections (the compiled bfloat16 kernel on CPUs without
+    oneDNN's bfloat16 path, oneDNN's packed weights elsewhere), with one and two torch
+    threads: a changed thread count rebuilds the calls (their thread counts and scratch)."""
     llm = engine(llama_dir)
     plan = plan_or_skip(llm)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(4, [6, 11], seed=4)]
