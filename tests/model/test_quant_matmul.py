@@ -215,6 +215,28 @@ def test_int4_layer_with_int8_activations(build):
                 @ layer.dequantized().double().T)
 
 
+def test_int8_activations_take_the_compiled_kernel_where_torch_s_is_preferred(monkeypatch):
+    """On CPUs whose int4 layers take torch's kernel (AVX-512), int8_activations moves the
+    layer to the compiled kernels where they are built (torch's would take the rounded rows
+    in float32, its slow path): the same codes and parameters, the same results as a layer
+    built on the compiled kernels from the start, bit for bit."""
+    if not quant_matmul.available():
+        pytest.skip("the compiled kernels are off here")
+    weight, x = inputs(48, 128, torch.bfloat16, 12)
+    native_layer = Int4Weight.quantize(weight, 32)
+    native_layer.int8_activations = True
+    monkeypatch.setattr(quant_matmul, "preferred", lambda: False)
+    layer = Int4Weight.quantize(weight, 32)
+    assert not layer.compiled and hasattr(layer, "torch_scale_and_zero")
+    codes, deq = layer.codes(), layer.dequantized()
+    layer.int8_activations = True
+    assert layer.compiled and layer.kernel.int8_activations
+    assert not hasattr(layer, "torch_scale_and_zero")
+    assert torch.equal(layer.codes(), codes) and torch.equal(layer.dequantized(), deq)
+    for rows in (1, 5, 12):
+        assert torch.equal(layer(x[:rows]), native_layer(x[:rows]))
+
+
 def test_bad_int8_groups_name_the_limit():
     q = torch.zeros(4, 96, dtype=torch.int8)
     with pytest.raises(ValueError, match="group_size=12 must be a multiple of 8 dividing "
