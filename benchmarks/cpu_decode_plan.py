@@ -39,10 +39,11 @@ def prompt(i: int) -> list[int]:
     return list(range(100 + PROMPT_LEN * i, 100 + PROMPT_LEN * (i + 1)))
 
 
-def make_engine(model: str, weights: str, eager: bool, max_batch: int) -> LLM:
+def make_engine(model: str, weights: str, eager: bool, max_batch: int,
+                max_model_len: int) -> LLM:
     quantization = None if weights == "bfloat16" else weights[:4]
     llm = LLM(model, dtype="bfloat16", quantization=quantization, quantization_group_size=32,
-              int8_activations=weights == "int4_a8", max_model_len=512,
+              int8_activations=weights == "int4_a8", max_model_len=max_model_len,
               kv_cache_memory_bytes=128 << 20, max_num_seqs=max_batch, enforce_eager=eager)
     warm = [{"prompt_token_ids": prompt(i)} for i in range(max_batch)]
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -66,6 +67,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--weights", default="int4,int4_a8,int8,bfloat16",
                         help=f"comma-separated, of {', '.join(WEIGHTS)}")
     parser.add_argument("--kernels", default="compiled,torch",
@@ -103,8 +105,9 @@ def main() -> None:
                 if kernel == "torch" and weight in ("bfloat16", "int4_a8"):
                     continue  # the same as the compiled configuration (no int4/int8 layers;
                     # int8 activations take the compiled kernels wherever they are built)
-                engines = {"plan": make_engine(model, weight, False, max(batches)),
-                           "eager": make_engine(model, weight, True, max(batches))}
+                engines = {name: make_engine(model, weight, name == "eager", max(batches),
+                                             args.max_model_len)
+                           for name in ("plan", "eager")}
                 plan_on = engines["plan"].llm_engine.runner.cpu_decode is not None
                 for batch in batches:
                     rates: dict[str, list[float]] = {"plan": [], "eager": []}
