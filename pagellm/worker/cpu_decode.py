@@ -7,7 +7,8 @@ decode-only step of a model it supports (``CpuDecodePlan.supports``), the plan m
 kernel calls the layers' forward makes, in the same order and on the same values, with their
 arguments prepared once per number of sequences and buffers allocated once:
 
-    rms_norm (+ residual) -> qkv product -> rotary in place on q and k -> decode attention
+    rms_norm (+ residual) -> qkv product -> rotary in place on q and k (Qwen3: after its
+    per-head q/k norms, through the norm modules as the forward does) -> decode attention
     (storing the step's K/V) -> o product -> rms_norm (+ residual) -> gate_up product ->
     SiLU-and-multiply -> down product, per layer; then the final rms_norm.
 
@@ -30,8 +31,8 @@ import torch
 from pagellm.attention import Attention, AttentionMetadata, cpu_kernel
 from pagellm.attention.layer import select_backend
 from pagellm.attention.torch_backend import paged_attention
-from pagellm.model.decoder import CausalLM, DecoderLayer
-from pagellm.model.layers import Linear, cpu_ops, quant_matmul
+from pagellm.model.decoder import CausalLM, DecoderAttention, DecoderLayer
+from pagellm.model.layers import Linear, RotaryEmbedding, cpu_ops, quant_matmul
 from pagellm.native import PreparedCall
 
 
@@ -109,7 +110,7 @@ class CpuDecodePlan:
         if dtype != torch.bfloat16 or decoder.norm.weight.device.type != "cpu":
             return "the plan runs bfloat16 models on the CPU"
         for layer, cache in zip(layers, kv_caches, strict=True):
-            if type(layer) is not DecoderLayer or layer.self_attn.qk_norm:
+            if type(layer) is not DecoderLayer or type(layer.self_attn) is not DecoderAttention:
                 return "a layer the plan does not know"
             if not isinstance(cache, tuple) or cache[0].dtype != dtype:
                 return "the plan reads a KV cache of the model dtype"
@@ -191,8 +192,12 @@ class CpuDecodePlan:
                                                        norm.weight, norm.eps, normed,
                                                        self.norm_scratch))
             calls += _projection(attn.qkv_proj, normed, qkv, self.workspace)
-            calls.append(cpu_ops.prepared_rotary(view[:, :H + KVH], self.cos[:rows],
-                                                 self.sin[:rows]))
+            if attn.qk_norm:
+                calls.append(self._norm_and_rotate(attn, view[:, :H], view[:, H:H + KVH],
+                                                   rows))
+            else:
+                calls.append(cpu_ops.prepared_rotary(view[:, :H + KVH], self.cos[:rows],
+                                                     self.sin[:rows]))
             if rows > 1:  # the queries gathered, as the layer's query.contiguous()
                 calls.append(lambda dst=query, src=view[:, :H]: dst.copy_(src))
             call = cpu_kernel.prepared_decode_attention(
@@ -213,3 +218,17 @@ class CpuDecodePlan:
                                                final.eps, self.final[:rows],
                                                self.norm_scratch))
         return calls, attention
+
+    def _norm_and_rotate(self, attn: DecoderAttention, q: torch.Tensor, k: torch.Tensor,
+                         rows: int) -> Callable[[], object]:
+        """Qwen3's per-head q/k RMSNorm, then rotary, as the layer's forward computes them
+        (the norm modules on the qkv views, RotaryEmbedding.apply out of place), written back
+        into the views, where the attention reads q and the new K."""
+        cos, sin = self.cos[:rows, None], self.sin[:rows, None]  # [rows, 1, D] as the forward's
+        q_norm, k_norm, rotate = attn.q_norm, attn.k_norm, RotaryEmbedding.apply
+
+        def call() -> None:
+            rotated_q, rotated_k = rotate(q_norm(q), cos, sin), rotate(k_norm(k), cos, sin)
+            q.copy_(rotated_q)
+            k.copy_(rotated_k)
+        return call

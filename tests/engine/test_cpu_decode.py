@@ -114,12 +114,15 @@ def test_plan_on_torch_s_kernels(llama_dir, torch_matmuls, options):
 
 @pytest.mark.parametrize("options", [dict(), dict(quantization="int4",
                                                   quantization_group_size=32)])
-def test_projections_with_a_bias(model_factory, compiled_matmuls, options):
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_qwen2_biases_and_qwen3_head_norms(model_factory, compiled_matmuls, arch, options):
     """Qwen2's q/k/v biases: added after a quantized product (as the layer adds them), or
-    summed by the bfloat16 layer's own kernel through its forward."""
-    llm = engine(model_factory("Qwen2ForCausalLM"), **options)
+    summed by the bfloat16 layer's own kernel through its forward. Qwen3's q/k RMSNorm over
+    each head (head_dim 24 here) before rotary, through the norm modules as in the forward."""
+    llm = engine(model_factory(arch), **options)
     plan = plan_or_skip(llm)
-    assert llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj.bias is not None
+    attn = llm.llm_engine.runner.model.model.layers[0].self_attn
+    assert attn.qk_norm if arch == "Qwen3ForCausalLM" else attn.qkv_proj.bias is not None
     prompts = [{"prompt_token_ids": p} for p in make_prompts(3, [7, 4], seed=6)]
     served: list[int] = []
     assert generate(llm, prompts, plan, served) == generate(llm, prompts, None, [])
