@@ -10,7 +10,8 @@ arguments prepared once per number of sequences and buffers allocated once:
     rms_norm (+ residual) -> qkv product -> rotary in place on q and k (Qwen3: after its
     per-head q/k norms, through the norm modules as the forward does) -> decode attention
     (storing the step's K/V) -> o product -> rms_norm (+ residual) -> gate_up product ->
-    SiLU-and-multiply -> down product, per layer; then the final rms_norm.
+    SiLU-and-multiply (float32: torch's, as the MLP computes it) -> down product, per layer;
+    then the final rms_norm.
 
 A projection on pagellm's compiled products (int4/int8, the bfloat16 kernel) is a prepared
 call too; one on torch's kernels (the int4/int8 layers on AVX-512 CPUs, oneDNN's packed
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from pagellm.attention import Attention, AttentionMetadata, cpu_kernel
 from pagellm.attention.layer import select_backend
@@ -107,8 +109,9 @@ class CpuDecodePlan:
         if layers is None or not len(layers):
             return "not a decoder model"
         dtype = decoder.norm.weight.dtype
-        if dtype != torch.bfloat16 or decoder.norm.weight.device.type != "cpu":
-            return "the plan runs bfloat16 models on the CPU"
+        if (dtype not in (torch.bfloat16, torch.float32)
+                or decoder.norm.weight.device.type != "cpu"):
+            return "the plan runs bfloat16 and float32 models on the CPU"
         for layer, cache in zip(layers, kv_caches, strict=True):
             if type(layer) is not DecoderLayer or type(layer.self_attn) is not DecoderAttention:
                 return "a layer the plan does not know"
@@ -124,7 +127,7 @@ class CpuDecodePlan:
                 if getattr(linear, "tp", None) is not None and linear.tp.world_size > 1:
                     return "tensor parallelism (projections split across ranks)"
         probe = torch.empty(1, 1, dtype=dtype)
-        for op in ("rms_norm", "rotary", "silu_and_mul"):
+        for op in ("rms_norm", "rotary"):  # SiLU-and-multiply: compiled or torch's, as the MLP
             if not cpu_ops.available(probe, op):
                 return f"the compiled {op} is off (it differs from torch's on this CPU)"
         if not cpu_kernel.available():
@@ -210,7 +213,7 @@ class CpuDecodePlan:
             calls.append(cpu_ops.prepared_rms_norm(self.o_out[:rows], residual, post.weight,
                                                    post.eps, normed, self.norm_scratch))
             calls += _projection(mlp.gate_up_proj, normed, self.gate_up[:rows], self.workspace)
-            calls.append(cpu_ops.prepared_silu_and_mul(self.gate_up[:rows], self.act[:rows]))
+            calls.append(self._silu_and_mul(self.gate_up[:rows], self.act[:rows]))
             calls += _projection(mlp.down_proj, self.act[:rows], self.down[:rows],
                                  self.workspace)
         final = decoder.norm
@@ -231,4 +234,16 @@ class CpuDecodePlan:
             rotated_q, rotated_k = rotate(q_norm(q), cos, sin), rotate(k_norm(k), cos, sin)
             q.copy_(rotated_q)
             k.copy_(rotated_k)
+        return call
+
+    @staticmethod
+    def _silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
+        """silu(gate) * up into ``out``, as DecoderMLP computes it: the compiled op where it
+        runs for this dtype (bfloat16), else torch's."""
+        if gate_up.dtype == torch.bfloat16 and cpu_ops.available(gate_up, "silu_and_mul"):
+            return cpu_ops.prepared_silu_and_mul(gate_up, out)
+
+        def call() -> None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out.copy_(F.silu(gate) * up)
         return call

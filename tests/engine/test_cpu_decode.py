@@ -34,9 +34,17 @@ def torch_matmuls(monkeypatch):
 def engine(llama_dir, **options) -> LLM:
     """No prefix caching: each run of the same prompts then computes them from scratch (a
     prefill of a cached prefix's tail rounds differently from the whole prompt's)."""
-    return LLM(str(llama_dir), dtype="bfloat16", max_model_len=96, block_size=4,
-               kv_cache_memory_bytes=1 << 20, max_num_seqs=12, enable_prefix_caching=False,
-               **options)
+    return LLM(str(llama_dir), max_model_len=96, block_size=4, kv_cache_memory_bytes=1 << 20,
+               max_num_seqs=12, enable_prefix_caching=False, **{"dtype": "bfloat16", **options})
+
+
+def eager_twin(model_dir, **options) -> LLM:
+    """The same engine without the plan. The tests run the same requests in the same order
+    on both, so that both place the K/V in the same blocks: the attention sums a sequence's
+    blocks in the order of their places, and a second run of one engine, whose blocks were
+    freed in another order, may differ from its first in the last bits (float32 keeps them,
+    bfloat16 mostly rounds them away)."""
+    return engine(model_dir, enforce_eager=True, **options)
 
 
 def plan_or_skip(llm: LLM) -> CpuDecodePlan:
@@ -83,14 +91,14 @@ def test_plan_gives_the_forward_s_tokens_and_logprobs_exactly(llama_dir, compile
     """1, 3 and 12 sequences decoding together (12: with int8 activations the products round
     the rows and run the float loops; prefill steps run the forward): the same tokens and the
     same logprobs, bit for bit, as the engine without the plan."""
-    llm = engine(llama_dir, **options)
+    llm, eager = engine(llama_dir, **options), eager_twin(llama_dir, **options)
     plan = plan_or_skip(llm)
     assert plan.max_rows == 12
     prompts = [{"prompt_token_ids": p} for p in make_prompts(12, [5, 9, 3, 14], seed=3)]
     served: list[int] = []
     for count in (1, 3, 12):
         with_plan = generate(llm, prompts[:count], plan, served)
-        assert with_plan == generate(llm, prompts[:count], None, [])
+        assert with_plan == generate(eager, prompts[:count], None, [])
     assert sum(served) > 0 and not all(served)  # the prefill steps ran the forward
 
 
@@ -100,14 +108,14 @@ def test_plan_on_torch_s_kernels(llama_dir, torch_matmuls, options):
     """Projections on torch's int4/int8 kernels run the layer's forward inside the plan, the
     rest of the step prepared: still the forward's tokens and logprobs bit for bit. (With
     int8 activations the int4 layers take the compiled kernels wherever they are built.)"""
-    llm = engine(llama_dir, **options)
+    llm, eager = engine(llama_dir, **options), eager_twin(llama_dir, **options)
     plan = plan_or_skip(llm)
     assert not any(getattr(m, "compiled", True) for m in llm.llm_engine.runner.model.modules()
                    if type(m).__name__ in ("Int4Weight", "Int8Weight"))
     prompts = [{"prompt_token_ids": p} for p in make_prompts(5, [5, 9, 3], seed=5)]
     served: list[int] = []
     for count in (1, 5):
-        assert generate(llm, prompts[:count], plan, served) == generate(llm, prompts[:count],
+        assert generate(llm, prompts[:count], plan, served) == generate(eager, prompts[:count],
                                                                         None, [])
     assert any(served)
 
@@ -120,12 +128,13 @@ def test_qwen2_biases_and_qwen3_head_norms(model_factory, compiled_matmuls, arch
     summed by the bfloat16 layer's own kernel through its forward. Qwen3's q/k RMSNorm over
     each head (head_dim 24 here) before rotary, through the norm modules as in the forward."""
     llm = engine(model_factory(arch), **options)
+    eager = eager_twin(model_factory(arch), **options)
     plan = plan_or_skip(llm)
     attn = llm.llm_engine.runner.model.model.layers[0].self_attn
     assert attn.qk_norm if arch == "Qwen3ForCausalLM" else attn.qkv_proj.bias is not None
     prompts = [{"prompt_token_ids": p} for p in make_prompts(3, [7, 4], seed=6)]
     served: list[int] = []
-    assert generate(llm, prompts, plan, served) == generate(llm, prompts, None, [])
+    assert generate(llm, prompts, plan, served) == generate(eager, prompts, None, [])
     assert any(served)
 
 
@@ -133,7 +142,7 @@ def test_bfloat16_weights_and_thread_counts(llama_dir):
     """Unquantized bfloat16 projections (the compiled bfloat16 kernel on CPUs without
     oneDNN's bfloat16 path, oneDNN's packed weights elsewhere), with one and two torch
     threads: a changed thread count rebuilds the calls (their thread counts and scratch)."""
-    llm = engine(llama_dir)
+    llm, eager = engine(llama_dir), eager_twin(llama_dir)
     plan = plan_or_skip(llm)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(4, [6, 11], seed=4)]
     threads = torch.get_num_threads()
@@ -141,21 +150,37 @@ def test_bfloat16_weights_and_thread_counts(llama_dir):
         for count in (1, 2):
             torch.set_num_threads(count)
             served: list[int] = []
-            assert generate(llm, prompts, plan, served) == generate(llm, prompts, None, [])
+            assert generate(llm, prompts, plan, served) == generate(eager, prompts, None, [])
             assert any(served) and plan.threads == count
     finally:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(quantization="int4",
+                                                  quantization_group_size=32)])
+def test_float32_models(llama_dir, compiled_matmuls, options):
+    """float32: oneDNN's packed projections (or int4 products on float32 activations),
+    the compiled float32 norms, rotary and attention, torch's SiLU-and-multiply."""
+    options = {**options, "dtype": "float32"}
+    llm = engine(llama_dir, **options)
+    plan = plan_or_skip(llm)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(3, [6, 10], seed=7)]
+    served: list[int] = []
+    eager = eager_twin(llama_dir, **options)
+    assert generate(llm, prompts, plan, served) == generate(eager, prompts, None, [])
+    assert any(served)
+
+
 def test_plan_off_where_it_does_not_apply(llama_dir, compiled_matmuls):
-    """enforce_eager, float32 models and an 8-bit KV cache run every step through the
+    """enforce_eager, float16 models and an 8-bit KV cache run every step through the
     forward, and the reason is known."""
     assert engine(llama_dir, quantization="int4", quantization_group_size=32,
                   enforce_eager=True).llm_engine.runner.cpu_decode is None
-    for options, reason in ((dict(dtype="float32"), "bfloat16 models"),
+    for options, reason in ((dict(dtype="float16", quantization=None),
+                             "bfloat16 and float32 models"),
                             (dict(kv_cache_dtype="int8"), "KV cache of the model dtype")):
         llm = LLM(str(llama_dir), max_model_len=64, kv_cache_memory_bytes=1 << 20,
-                  quantization="int8", **{"dtype": "bfloat16", **options})
+                  **{"dtype": "bfloat16", "quantization": "int8", **options})
         runner = llm.llm_engine.runner
         assert runner.cpu_decode is None
         assert reason in CpuDecodePlan.supports(runner.model, runner.cache_engine.kv_caches)
