@@ -42,8 +42,9 @@ def _matmul_of(linear: Linear) -> quant_matmul.QuantizedMatmul | None:
     """The compiled product a decode step's Linear runs (weight-only quantized, or the
     bfloat16 kernel), if it runs one."""
     quantized = linear.quantized
-    if quantized is not None:
-        return quantized.kernel if getattr(quantized, "compiled", False) else None
+    if quantized is not None:  # (a forward set on the instance replaces the kernel)
+        compiled = getattr(quantized, "compiled", False) and "forward" not in vars(quantized)
+        return quantized.kernel if compiled else None
     if linear.packed_weight is None and linear.upcast and linear.bf16_kernel is not None:
         return linear.bf16_kernel
     return None

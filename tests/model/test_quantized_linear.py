@@ -124,7 +124,7 @@ def test_int8_activations_engine_matches_its_definition(model_zoo):
     common = dict(dtype="float32", quantization="int4", quantization_group_size=32,
                   max_model_len=96, kv_cache_memory_bytes=1 << 20)
     fast = LLM(str(llama_dir), int8_activations=True, **common)
-    reference = LLM(str(llama_dir), **common)
+    reference = LLM(str(llama_dir), enforce_eager=True, **common)  # runs the forward below
     from pagellm.worker.execution_paths import describe_paths
 
     int4 = [m for m in fast.llm_engine.runner.model.modules() if isinstance(m, Int4Weight)]
