@@ -19,9 +19,10 @@ bfloat16 weights) or with a bias the kernel sums runs the layer's own forward, i
 copied into the plan's buffer. Between the kernels only the step's fields are set (the
 attention's block pairs, lengths, slots and workspace; rotary's cos and sin), so its hidden
 states equal the eager forward's bit for bit (tests/engine/test_cpu_decode.py). The embedding
-lookup, the rotary angles and the vocabulary projection stay with the model. Anything else (prefill, more sequences than
-``max_rows``, a model or configuration it does not support) runs the eager forward: ``run``
-returns None. ``enforce_eager=True`` turns it off, as it turns off CUDA graphs on the GPU.
+lookup, the rotary angles and the vocabulary projection stay with the model. Anything else
+(prefill, more sequences than ``max_rows``, a model or configuration it does not support)
+runs the eager forward: ``run`` returns None. ``enforce_eager=True`` turns it off, as it
+turns off CUDA graphs on the GPU.
 """
 from __future__ import annotations
 
@@ -42,9 +43,8 @@ def _matmul_of(linear: Linear) -> quant_matmul.QuantizedMatmul | None:
     """The compiled product a decode step's Linear runs (weight-only quantized, or the
     bfloat16 kernel), if it runs one."""
     quantized = linear.quantized
-    if quantized is not None:  # (a forward set on the instance replaces the kernel)
-        compiled = getattr(quantized, "compiled", False) and "forward" not in vars(quantized)
-        return quantized.kernel if compiled else None
+    if quantized is not None:
+        return quantized.kernel if getattr(quantized, "compiled", False) else None
     if linear.packed_weight is None and linear.upcast and linear.bf16_kernel is not None:
         return linear.bf16_kernel
     return None
