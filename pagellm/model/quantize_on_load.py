@@ -4,11 +4,12 @@ Each projection is quantized from the checkpoint tensor as read, in float32 (a G
 dequantized to float32, a safetensors tensor in its stored dtype upcast), never from the copy
 loaded into the model: with ``dtype=bfloat16`` that copy is already rounded, and quantizing it
 would round each weight twice (a bfloat16 round trip). Where a GGUF file's blocks *are* the
-target format (Q4_0 / Q4_1 / Q4_K as int4 groups of 32, gguf_loader.int4_codes; Q8_0 and
-Q5_0 as int8 groups of 32, Q6_K and Q3_K as int8 groups of 16, with float32 scales,
-gguf_loader.int8_codes) the loader hands their codes in instead (``add``), and nothing is
-re-quantized. A fused int8 projection whose shards come in different groups takes the
-smallest, the other shards' scales repeated.
+target format (Q4_0 / Q4_1 / Q4_K as int4 groups of 32, gguf_loader.int4_codes; every
+quantized type as int8 groups of 32 or 16 with float32 scales, and zeros for the types with
+a min, gguf_loader.int8_codes) the loader hands their codes in instead (``add``), and nothing
+is re-quantized. A fused int8 projection whose shards come in different groups takes the
+smallest, the other shards' scales (and zeros) repeated; if one shard has zeros, the others
+take zeros of 0.
 
 Both formats keep rows independent (int8: one scale per output row; int4: groups run along
 the input), so every checkpoint tensor — one shard of a fused projection such as q_proj of
@@ -30,8 +31,8 @@ from pagellm.model.layers.linear import Linear, as_tensor
 from pagellm.model.layers.quantized_linear import (Int4Weight, Int8Weight, int4_quantize,
                                                     int8_quantize)
 
-# int8: (q [N, K] int8, scale [N] in the model dtype, or [N, K / group] float32 from GGUF
-# Q8_0 / Q5_0 (groups of 32) or Q6_K / Q3_K (16) blocks);
+# int8: (q [N, K] int8, scale [N] in the model dtype), or from GGUF blocks (q, scale
+# [N, K / group] float32) and, for the types with a min, zero [N, K / group] float32;
 # int4: (codes [N, K] uint8, scale, zero [N, K / group] float32)
 Parts = tuple[torch.Tensor, ...]
 
@@ -68,7 +69,7 @@ class QuantizingLoad:
 
     def add(self, name: str, parts: Parts) -> None:
         """Parts taken from the file as they are (int4: codes, scale, zero float32; int8: codes,
-        scale [N, K / group] float32)."""
+        scale [N, K / group] float32 and, for blocks with a min, zero)."""
         self.parts[name] = parts
 
     def stream(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
@@ -90,22 +91,35 @@ class QuantizingLoad:
         if not all(n in self.parts for n in names):
             return
         parts = [self.parts.pop(n) for n in names]
-        groups = {_group(*p) for p in parts} if len(parts[0]) == 2 else set()
-        if len(groups) > 1:  # shards of GGUF int8 blocks beside other blocks or re-quantized
-            parts = [_per_group(*p, min(g for g in groups if g)) for p in parts]
+        int8 = self.method_of(names[0]) == "int8"
+        if int8:
+            parts = _int8_shards(parts)
         stacked = [torch.cat(p) for p in zip(*parts)]
         if stacked[0].shape != module.weight.shape:
             raise ValueError(f"checkpoint tensors {names} stack to "
                              f"{tuple(stacked[0].shape)}, not the projection's "
                              f"{tuple(module.weight.shape)}")
-        if len(stacked) == 2:
-            q, scale = stacked
+        if int8:
+            q, scale, *zero = stacked
             module.quantized = Int8Weight(q, scale, q.shape[1] // scale.shape[1]
-                                          if scale.dim() == 2 else None)
+                                          if scale.dim() == 2 else None, *zero)
         else:
             module.quantized = Int4Weight(*stacked, self.group_size, self.dtype)
         if id(module.weight) not in self._shared:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+
+
+def _int8_shards(parts: list[Parts]) -> list[Parts]:
+    """The int8 parts of a projection's shards in one form that stacks: all per output
+    channel, or all in the smallest group among them with float32 scales; with zeros for
+    every shard where one has them (0 for the others)."""
+    groups = {_group(*p[:2]) for p in parts}
+    if len(groups) > 1:  # GGUF blocks beside other blocks or re-quantized shards
+        parts = [_per_group(p, min(g for g in groups if g)) for p in parts]
+    if any(len(p) == 3 for p in parts):
+        parts = [p if len(p) == 3 else (*p, torch.zeros_like(p[1], dtype=torch.float32))
+                 for p in parts]
+    return parts
 
 
 def _group(q: torch.Tensor, scale: torch.Tensor) -> int | None:
@@ -113,11 +127,13 @@ def _group(q: torch.Tensor, scale: torch.Tensor) -> int | None:
     return q.shape[1] // scale.shape[1] if scale.dim() == 2 else None
 
 
-def _per_group(q: torch.Tensor, scale: torch.Tensor, group: int) -> Parts:
-    """int8 parts with float32 scales per ``group`` (which divides their own group): each
-    scale repeated, which dequantizes to the same values."""
-    own = _group(q, scale) or q.shape[1]
-    return q, scale.float().reshape(q.shape[0], -1).repeat_interleave(own // group, dim=1)
+def _per_group(parts: Parts, group: int) -> Parts:
+    """int8 parts (q, scale[, zero]) with float32 scales (and zeros) per ``group`` (which
+    divides their own group): each repeated, which dequantizes to the same values."""
+    q, *params = parts
+    repeats = (_group(q, params[0]) or q.shape[1]) // group
+    return q, *(p.float().reshape(q.shape[0], -1).repeat_interleave(repeats, dim=1)
+                for p in params)
 
 
 def _projection_sources(model: Any) -> dict[Linear, list[str]]:

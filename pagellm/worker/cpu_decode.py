@@ -97,7 +97,7 @@ class CpuDecodePlan:
         self.cos = torch.zeros(rows, self.head_dim, dtype=self.dtype)
         self.sin = torch.zeros(rows, self.head_dim, dtype=self.dtype)
         widest = max(hidden, inter)
-        self.workspace = torch.zeros(rows * (widest + widest // 16) + 64)
+        self.workspace = torch.zeros(quant_matmul.workspace_floats(rows, widest) + 64)
         self.threads = 0
         self.norm_scratch = torch.zeros(0)
         self._plans: dict[int, tuple[list[Callable[[], object]], list[PreparedCall]]] = {}

@@ -102,6 +102,37 @@ def test_plan_gives_the_forward_s_tokens_and_logprobs_exactly(llama_dir, compile
     assert sum(served) > 0 and not all(served)  # the prefill steps ran the forward
 
 
+def with_zeros_in_groups_of_16(llm: LLM) -> CpuDecodePlan:
+    """Every int8 layer of the engine's model as int8 codes with a scale and a zero per
+    group of 16 (the form of GGUF's Q2_K blocks: the most group sums per row, the widest
+    workspace), w = q * scale - 3 * scale; the plan built again on the new layers."""
+    from pagellm.model.layers.quantized_linear import Int8Weight
+
+    runner = llm.llm_engine.runner
+    for module in runner.model.modules():
+        layer = getattr(module, "quantized", None)
+        if isinstance(layer, Int8Weight):
+            scale = layer.scale.float()[:, None].repeat(1, layer.q.shape[1] // 16)
+            module.quantized = Int8Weight(layer.q, scale.contiguous(), 16, -3 * scale)
+    return CpuDecodePlan(runner.model, runner.cache_engine.kv_caches, 12)
+
+
+def test_plan_on_int8_with_zeros(llama_dir, compiled_matmuls):
+    """int8 layers with zeros (GGUF's blocks with a min) run their compiled kernel in the
+    plan: the forward's tokens and logprobs bit for bit."""
+    llm, eager = engine(llama_dir, quantization="int8"), eager_twin(llama_dir,
+                                                                    quantization="int8")
+    plan_or_skip(llm)
+    plan = with_zeros_in_groups_of_16(llm)
+    with_zeros_in_groups_of_16(eager)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(5, [5, 9, 3], seed=7)]
+    served: list[int] = []
+    for count in (1, 5):
+        assert generate(llm, prompts[:count], plan, served) == generate(eager, prompts[:count],
+                                                                        None, [])
+    assert any(served)
+
+
 @pytest.mark.parametrize("options", [dict(quantization="int4", quantization_group_size=32),
                                      dict(quantization="int8")])
 def test_plan_on_torch_s_kernels(llama_dir, torch_matmuls, options):

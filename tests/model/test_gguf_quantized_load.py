@@ -2,10 +2,12 @@
 
 Q4_K super-blocks (like Q4_0 / Q4_1 blocks) are int4 groups of 32 as they are: their codes,
 scales and zeros give the gguf package's own dequantization, and a model loaded in int4 from
-them computes what the unquantized float32 model computes. Q8_0 and Q5_0 blocks are int8
-groups of 32, Q6_K and Q3_K sub-blocks int8 groups of 16. Every other tensor type, group size or
-method is re-quantized from the file's float32 values, not from the copy rounded to
-the model dtype: checked against the quantizer applied to gguf's float32 dequantization, with
+them computes what the unquantized float32 model computes. Every quantized type is int8
+groups as it is (32 columns; 16 for Q6_K, Q3_K and Q2_K), with zeros for the types with a min
+(Q4_1, Q4_K, Q5_1, Q5_K, Q2_K), and a model loaded in int8 from them computes what the
+unquantized float32 model computes. Every other tensor type, group size or method is
+re-quantized from the file's float32 values, not from the copy rounded to the model dtype:
+checked against the quantizer applied to gguf's float32 dequantization, with
 ``dtype=bfloat16``, where quantizing the rounded copy gives other codes.
 """
 from __future__ import annotations
@@ -77,8 +79,23 @@ def test_int4_model_from_q4_k_computes_the_float32_model(q4_k_file):
     """Loaded in int4 groups of 32, every projection holds the file's values exactly (q and k
     rows un-reordered, shards stacked), and the logits are those of the unquantized float32
     model with the same int8 vocabulary projection (llama.cpp's 8-bit output matrix)."""
-    path, expected = q4_k_file
-    quantized, config = load_model(path, dtype=torch.float32, quantization="int4",
+    check_model_holds_the_file(q4_k_file, "int4", Int4Weight)
+
+
+@pytest.mark.parametrize("type_name", ["Q5_K", "Q2_K", "Q5_1"])
+def test_int8_model_from_blocks_with_a_min_computes_the_float32_model(tmp_path, type_name):
+    """Loaded in int8 from Q5_K / Q2_K / Q5_1 tensors (codes, scales and zeros as they are):
+    the same, through the compiled int8-with-zeros kernels (prompt rows in tiles of 8, 4 and
+    fewer; decode rows)."""
+    if not quant_matmul.available():
+        pytest.skip("group-wise int8 runs in the compiled kernels, which are off here "
+                    f"({quant_matmul.describe()})")
+    check_model_holds_the_file(write_tiny_gguf(tmp_path, type_name), "int8", Int8Weight)
+
+
+def check_model_holds_the_file(file, method, layer_type) -> None:
+    path, expected = file
+    quantized, config = load_model(path, dtype=torch.float32, quantization=method,
                                    quantization_group_size=32)
     plain, _ = load_model(path, dtype=torch.float32, pack_weights=False)
     layers = projections(quantized)
@@ -86,7 +103,7 @@ def test_int4_model_from_q4_k_computes_the_float32_model(q4_k_file):
         if name == "lm_head":
             assert isinstance(module.quantized, Int8Weight)
             continue
-        assert isinstance(module.quantized, Int4Weight), name
+        assert isinstance(module.quantized, layer_type), name
         assert torch.equal(module.quantized.dequantized(), file_weight(expected, name)), name
         assert module.weight.numel() == 0  # the plain weight is released
     plain.lm_head.weight.data = layers["lm_head"].quantized.dequantized()
@@ -101,8 +118,8 @@ def test_int4_model_from_q4_k_computes_the_float32_model(q4_k_file):
 
 
 @pytest.mark.parametrize("type_name, method, group_size", [
-    ("Q8_0", "int4", 128), ("Q4_K", "int8", 128), ("Q4_K", "int4", 128), ("Q6_K", "int4", 32),
-    ("Q5_0", "int4", 64)])
+    ("Q8_0", "int4", 128), ("Q4_K", "int4", 128), ("Q6_K", "int4", 32), ("Q5_0", "int4", 64),
+    ("Q5_K", "int4", 32), ("F16", "int8", 128)])
 def test_other_layouts_are_quantized_from_the_float32_values(tmp_path, type_name, method,
                                                              group_size):
     """dtype=bfloat16: each projection equals the quantizer applied to gguf's float32
@@ -116,7 +133,7 @@ def test_other_layouts_are_quantized_from_the_float32_values(tmp_path, type_name
         values = file_weight(expected, name)
         kind = "int8" if name == "lm_head" else method
         if kind == "int8" and type_name in INT8_BLOCK_TYPES and quant_matmul.available():
-            continue  # int8 as they are (test_q8_0_blocks_..., test_q6_k_q3_k_and_...)
+            continue  # int8 as they are (test_q8_0_blocks_..., test_quantized_types_are_...)
         if kind == "int8":
             reference = Int8Weight.quantize(values, torch.bfloat16)
             rounded = Int8Weight.quantize(values.to(torch.bfloat16))
@@ -138,53 +155,54 @@ def test_other_layouts_are_quantized_from_the_float32_values(tmp_path, type_name
 def test_q8_0_blocks_are_int8_groups_of_32(tmp_path, dtype):
     """int8 from a Q8_0 file whose attn_v tensors are Q4_0 (a mixed file): every projection
     and the vocabulary projection are int8 groups of 32 with float32 scales that dequantize
-    to the file's values exactly, in either dtype; in qkv_proj the v rows, re-quantized from
-    their float32 values, hold their per-channel scales repeated per group."""
+    to the file's values exactly, in either dtype (the Q4_0 v rows as codes q - 8)."""
     if not quant_matmul.available():
         pytest.skip("group-wise int8 runs in the compiled kernels, which are off here "
                     f"({quant_matmul.describe()})")
     path, expected = write_tiny_gguf(tmp_path, "Q8_0", other_types={"attn_v": "Q4_0"})
-    model, config = load_model(path, dtype=dtype, quantization="int8")
-    v_rows = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    model, _ = load_model(path, dtype=dtype, quantization="int8")
     for name, module in projections(model).items():
         layer = module.quantized
         assert isinstance(layer, Int8Weight) and layer.group_size == 32, name
-        assert layer.scale.dtype == torch.float32, name
-        values = file_weight(expected, name)
-        if name.endswith("qkv_proj"):
-            requantized = Int8Weight.quantize(values[-v_rows:], dtype)
-            np.testing.assert_array_equal(layer.dequantized()[-v_rows:].numpy(),
-                                          requantized.dequantized().numpy())
-            values = values[:-v_rows]
-        np.testing.assert_array_equal(layer.dequantized()[:len(values)].numpy(), values.numpy())
+        assert layer.scale.dtype == torch.float32 and layer.zero is None, name
+        np.testing.assert_array_equal(layer.dequantized().numpy(),
+                                      file_weight(expected, name).numpy(), err_msg=name)
     tensors = {t.name: t for t in open_reader(path).tensors}
     q, scale = int8_codes(tensors["output.weight"])
     assert torch.equal(model.lm_head.quantized.q, q)
     assert torch.equal(model.lm_head.quantized.scale, scale)
 
 
-@pytest.mark.parametrize("type_name, group", [("Q6_K", 16), ("Q3_K", 16), ("Q5_0", 32)])
-def test_q6_k_q3_k_and_q5_0_blocks_are_int8_groups(tmp_path, type_name, group):
-    """int8 from a Q6_K (Q3_K, Q5_0) file whose attn_v tensors are Q8_0: every projection and
-    the vocabulary projection are int8 groups of 16 (16, 32) with the file's codes and float32
-    scales, dequantizing to gguf's values exactly; in qkv_proj the Q8_0 v rows' scales of 32
-    are repeated into the K types' groups of 16."""
+@pytest.mark.parametrize("type_name, group", [
+    ("Q6_K", 16), ("Q3_K", 16), ("Q5_0", 32), ("Q4_0", 32), ("Q4_1", 32), ("Q4_K", 32),
+    ("Q5_1", 32), ("Q5_K", 32), ("Q2_K", 16)])
+def test_quantized_types_are_int8_groups(tmp_path, type_name, group):
+    """int8 from a Q6_K (Q3_K, ...) file whose attn_v tensors are Q8_0: every projection and
+    the vocabulary projection are int8 groups of 16 or 32 with the file's codes, float32
+    scales and, for the types with a min, float32 zeros, dequantizing to gguf's values
+    exactly; in qkv_proj the Q8_0 v rows' scales of 32 are repeated into groups of 16, and
+    take zeros of 0 beside shards with zeros."""
     if not quant_matmul.available():
         pytest.skip("group-wise int8 runs in the compiled kernels, which are off here "
                     f"({quant_matmul.describe()})")
     path, expected = write_tiny_gguf(tmp_path, type_name, other_types={"attn_v": "Q8_0"})
     model, _ = load_model(path, dtype=torch.float32, quantization="int8")
+    with_min = type_name in ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")
     for name, module in projections(model).items():
         layer = module.quantized
         assert isinstance(layer, Int8Weight) and layer.group_size == group, name
         assert layer.scale.dtype == torch.float32, name
+        assert (layer.zero is not None) == with_min, name
         np.testing.assert_array_equal(layer.dequantized().numpy(),
                                       file_weight(expected, name).numpy(), err_msg=name)
     tensors = {t.name: t for t in open_reader(path).tensors}
     assert tensors["output.weight"].tensor_type.name == type_name
-    q, scale = int8_codes(tensors["output.weight"])
-    assert torch.equal(model.lm_head.quantized.q, q)
-    assert torch.equal(model.lm_head.quantized.scale, scale)
+    parts = int8_codes(tensors["output.weight"])
+    assert len(parts) == 2 + with_min
+    assert torch.equal(model.lm_head.quantized.q, parts[0])
+    assert torch.equal(model.lm_head.quantized.scale, parts[1])
+    if with_min:
+        assert torch.equal(model.lm_head.quantized.zero, parts[2])
 
 
 def test_safetensors_float32_checkpoint_is_quantized_from_its_values(model_zoo):

@@ -149,6 +149,55 @@ def test_int8_matmul_matches_float64_reference(build, x_dtype, group_size):
                     x[:rows].double() @ deq.T)
 
 
+@pytest.mark.parametrize("x_dtype, param_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("group_size", [16, 32, 48])
+def test_int8_with_zeros_matches_float64_reference(build, x_dtype, param_dtype, group_size):
+    """int8 codes with a scale and a zero per group (GGUF's blocks with a min: q * scale +
+    zero, codes 0..31 as Q5_1 / Q5_K hold them), through the layer and the kernel: the narrow
+    tiles, the 8-row tiles and the GEMM path; K = 96 with groups of 48 (not a multiple of 16
+    or 32: the int8 loops' tail of 8)."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randint(0, 32, (24, 96), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(24, 96 // group_size, generator=gen) * 0.02 + 0.002).to(param_dtype)
+    zero = (-torch.rand(24, 96 // group_size, generator=gen) * 0.3).to(param_dtype)
+    x = torch.randn(max(ROWS), 96, generator=gen).to(x_dtype)
+    deq = (q.double().view(24, -1, group_size) * scale.double()[..., None]
+           + zero.double()[..., None]).view(24, 96)
+    layer = Int8Weight(q, scale, group_size, zero)
+    assert layer.kernel.kind == "int8_zero" and layer.compiled
+    assert torch.equal(layer.scale, scale) and torch.equal(layer.zero, zero)
+    assert layer.nbytes == q.nbytes + scale.nbytes + zero.nbytes
+    torch.testing.assert_close(layer.dequantized().double(), deq)
+    for rows in ROWS:
+        out = layer(x[:rows])
+        assert out.dtype == x_dtype
+        check_close(out, x[:rows].double() @ deq.T)
+
+
+def test_int8_zeros_need_group_wise_scales_of_their_shape():
+    q = torch.zeros(4, 32, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"zeros go with group-wise scales"):
+        Int8Weight(q, torch.ones(4), None, torch.zeros(4))
+    with pytest.raises(ValueError, match=r"int8 zeros of shape \(4, 1\)"):
+        Int8Weight(q, torch.ones(4, 2), 16, torch.zeros(4, 1))
+
+
+def test_int8_with_zeros_without_the_compiled_kernels(monkeypatch):
+    """Where the compiled kernels are not built, the layer multiplies its dequantized weight
+    (torch has no kernel for group-wise int8)."""
+    monkeypatch.setattr(quant_matmul, "available", lambda: False)
+    monkeypatch.setattr(quant_matmul, "preferred", lambda: False)
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randint(0, 16, (8, 64), generator=gen, dtype=torch.int8)
+    scale, zero = torch.rand(8, 2, generator=gen), -torch.rand(8, 2, generator=gen)
+    layer = Int8Weight(q, scale, 32, zero)
+    assert not layer.compiled
+    x = torch.randn(3, 64, generator=gen)
+    check_close(layer(x), x.double() @ layer.dequantized().double().T)
+
+
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bfloat16_weight_matmul_matches_float64_reference(build, x_dtype, bias):

@@ -12,8 +12,11 @@
  * reference) up to the order of float32 additions:
  *     int4: w = (q - 8) * scale + zero,  q in [0, 15], scale and zero per (row, group)
  *     int8: w = q * scale,               q in [-127, 127], scale per (row, group)
+ *     int8_zero: w = q * scale + zero,   q in [-128, 127], scale and zero per (row, group)
+ *                (GGUF's blocks with a min, Q4_1 / Q4_K / Q5_1 / Q5_K / Q2_K, as they are)
  * Tiles of 1-4 rows (decode) sum the codes times x per group and add scale times that sum
- * (int4: plus (zero - 8 scale) times the group's sum of x, from group_sums); tiles of 8 rows
+ * (int4: plus (zero - 8 scale) times the group's sum of x, from group_sums; int8_zero: plus
+ * zero times it); tiles of 8 rows
  * (AVX2 builds, batched decode) dequantize each weight once in a register and add it times x
  * into one sum per row. The plain-C loops dequantize each weight per tile.
  *
@@ -23,6 +26,7 @@
  *        16-byte load and two masks give 32 codes in column order;
  *   int4 params [N, K / group_size, 2] (scale, zero), float32 or bfloat16;
  *   int8 codes [N, K] int8; params [N, K / group_size] scale, float32 or bfloat16;
+ *   int8_zero codes [N, K] int8; params [N, K / group_size, 2] (scale, zero), as int4's;
  *   bf16 "codes" [N, K]: a bfloat16 weight as it is (no parameters; group_size K), for CPUs
  *        where oneDNN has no bfloat16 matmul and torch's makes a pass over W per row.
  * group_size is a multiple of 32 (int4) or of 8 (int8, bf16: K % 8 == 0) and divides K.
@@ -36,7 +40,7 @@
  * 32 products in 3 instead of ~12 widening and 4 FMAs.
  *
  * x and out are float32 or bfloat16 (x_bf16); bfloat16 x is widened into the caller's
- * workspace (M * K floats, then the int4 group sums; int4_a8_matmul: the activations' scales,
+ * workspace (M * K floats, then the group sums of int4 and int8_zero; int4_a8_matmul: the activations' scales,
  * group sums and codes) once per call. Output columns are split across OpenMP threads
  * (torch's, see pagellm/native.py).
  */
@@ -99,17 +103,18 @@ static const float *float_rows(const qmm_args *a, int64_t *stride) {
   return a->workspace;
 }
 
-/* For int4: each row's (-8 * group sum, group sum) pairs, [rows, 2 * groups], after the
- * widened rows in the workspace; their dot product with a column's (scale, zero) pairs is
- * the column's sum over groups of (zero - 8 scale) * (group sum of x). */
-static const float *group_sums(const qmm_args *a, const float *x, int64_t xs) {
+/* For int4 and int8_zero: each row's (offset * group sum, group sum) pairs, [rows,
+ * 2 * groups], after the widened rows in the workspace; their dot product with a column's
+ * (scale, zero) pairs is the column's sum over groups of (zero + offset * scale) * (group sum
+ * of x): offset -8 for int4's (q - 8) * scale + zero, 0 for int8_zero's q * scale + zero. */
+static const float *group_sums(const qmm_args *a, const float *x, int64_t xs, float offset) {
   const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
   float *xw = a->workspace + (a->x_bf16 ? a->rows * K : 0);
   for (int64_t m = 0; m < a->rows; m++)
     for (int64_t g = 0; g < groups; g++) {
       float sum = 0;
       for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += x[m * xs + k];
-      xw[(m * groups + g) * 2] = -8.0f * sum;
+      xw[(m * groups + g) * 2] = offset * sum;
       xw[(m * groups + g) * 2 + 1] = sum;
     }
   return xw;
@@ -171,8 +176,8 @@ static inline __m256 load_params(const void *p, int64_t i, int bf16) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-/* zsum[r] = sum over groups of (zero - 8 scale) * (group sum of row r of x): the dot product
- * of column n's (scale, zero) pairs with the row's pairs from group_sums. */
+/* zsum[r] = sum over groups of (zero + offset * scale) * (group sum of row r of x): the dot
+ * product of column n's (scale, zero) pairs with the row's pairs from group_sums. */
 static inline void zero_terms(const qmm_args *a, const float *xw, int64_t groups, int64_t n,
                               int T, float *zsum) {
   const int64_t len = 2 * groups;
@@ -336,6 +341,28 @@ INLINE void int8_column(const qmm_args *a, const float *x, int64_t xs, const flo
     int8_column_gs(a, x, xs, m0, T, n, a->group_size);
 }
 
+/* One output column n for T rows: int8_zero, the int8 loops on (scale, zero) pairs plus
+ * zero times each group's sum of x (zero_terms, offset 0). */
+INLINE void int8_zero_column_gs(const qmm_args *a, const float *x, int64_t xs, const float *xw,
+                                int64_t m0, int T, int64_t n, int64_t gs) {
+  const int64_t K = a->in_features, groups = K / gs;
+  const int8_t *q = (const int8_t *)a->codes + n * K;
+  EACH_GROUP(groups, INT4_SCALE, INT8_GROUP)
+  float zsum[TILE_ROWS];
+  zero_terms(a, xw, groups, n, T, zsum);
+  for (int r = 0; r < T; r++) store(a, m0 + r, n, sum_rows(r) + zsum[r]);
+}
+
+INLINE void int8_zero_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
+                             int64_t m0, int T, int64_t n) {
+  if (a->group_size == 32)
+    int8_zero_column_gs(a, x, xs, xw, m0, T, n, 32);
+  else if (a->group_size == 16)
+    int8_zero_column_gs(a, x, xs, xw, m0, T, n, 16);
+  else
+    int8_zero_column_gs(a, x, xs, xw, m0, T, n, a->group_size);
+}
+
 /* Eight rows at once (batched decode): each weight dequantized once in a register,
  *   w = q * scale + (zero - 8 scale)   (int4),   w = q * scale   (int8),
  * and added into one running sum per row: 8 accumulators, where the group sums of the
@@ -375,6 +402,26 @@ static inline void int8_wide(const qmm_args *a, const float *x, int64_t xs, int6
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 8) {
       const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + k));
       const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), scale);
+      for (int r = 0; r < WIDE_ROWS; r++)
+        acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k), acc[r]);
+    }
+  }
+  for (int r = 0; r < WIDE_ROWS; r++) store(a, m0 + r, n, hsum8(acc[r]));
+}
+
+static inline void int8_zero_wide(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
+                                  int64_t n) {
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+  const int8_t *q = (const int8_t *)a->codes + n * K;
+  __m256 acc[WIDE_ROWS];
+  for (int r = 0; r < WIDE_ROWS; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    const __m256 scale = _mm256_set1_ps(param(a->params, (n * groups + g) * 2, a->params_bf16));
+    const __m256 zero = _mm256_set1_ps(param(a->params, (n * groups + g) * 2 + 1,
+                                             a->params_bf16));
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 8) {
+      const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + k));
+      const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), scale, zero);
       for (int r = 0; r < WIDE_ROWS; r++)
         acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k), acc[r]);
     }
@@ -556,6 +603,23 @@ static inline void int8_column(const qmm_args *a, const float *x, int64_t xs, co
   store_lanes(a, acc, m0, T, n);
 }
 
+static inline void int8_zero_column(const qmm_args *a, const float *x, int64_t xs,
+                                    const float *xw, int64_t m0, int T, int64_t n) {
+  (void)xw;
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+  const int8_t *q = (const int8_t *)a->codes + n * K;
+  float acc[TILE_ROWS][8] = {{0}};
+  for (int64_t g = 0; g < groups; g++) {
+    const float scale = param(a->params, (n * groups + g) * 2, a->params_bf16);
+    const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_bf16);
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 8)
+      for (int r = 0; r < T; r++)
+        for (int j = 0; j < 8; j++)
+          acc[r][j] += ((float)q[k + j] * scale + zero) * x[r * xs + k + j];
+  }
+  store_lanes(a, acc, m0, T, n);
+}
+
 static inline void bf16_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
                                int64_t m0, int T, int64_t n) {
   (void)xw;
@@ -573,6 +637,8 @@ static inline void int4_wide(const qmm_args *a, const float *x, int64_t xs, int6
                              int64_t n) { (void)a; (void)x; (void)xs; (void)m0; (void)n; }
 static inline void int8_wide(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
                              int64_t n) { (void)a; (void)x; (void)xs; (void)m0; (void)n; }
+static inline void int8_zero_wide(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
+                                  int64_t n) { (void)a; (void)x; (void)xs; (void)m0; (void)n; }
 static inline void bf16_wide(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
                              int64_t n) { (void)a; (void)x; (void)xs; (void)m0; (void)n; }
 static inline int quantize_block(const void *x, int64_t i, int bf16, int8_t *q, float *d) {
@@ -630,11 +696,13 @@ INLINE void int4_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T, 
     for (int64_t n = 0; n < N; n++) column(a, x, xs, xw, 0, T, n);                        \
   } while (0)
 
-#define DEFINE_MATMUL(name, column, wide, sums)                                           \
+/* sums: whether the AVX2 narrow tiles take group_sums (with offset; the plain-C loops
+ * dequantize each weight instead). */
+#define DEFINE_MATMUL(name, column, wide, sums, offset)                                   \
   void name(const qmm_args *a) {                                                          \
     int64_t xs;                                                                           \
     const float *x = float_rows(a, &xs);                                                  \
-    const float *xw = sums ? group_sums(a, x, xs) : NULL;                                 \
+    const float *xw = sums ? group_sums(a, x, xs, offset) : NULL;                         \
     const int64_t M = a->rows, N = a->out_features, xw_row = 2 * (a->in_features / a->group_size); \
     switch (M) { /* one tile: its loop without the tile dispatch per column */            \
       case 1: ONE_TILE(column, 1); return;                                                \
@@ -660,9 +728,10 @@ INLINE void int4_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T, 
     }                                                                                     \
   }
 
-DEFINE_MATMUL(int4_matmul, int4_column, int4_wide, QMM_AVX2)
-DEFINE_MATMUL(int8_matmul, int8_column, int8_wide, 0)
-DEFINE_MATMUL(bf16_matmul, bf16_column, bf16_wide, 0)
+DEFINE_MATMUL(int4_matmul, int4_column, int4_wide, QMM_AVX2, -8.0f)
+DEFINE_MATMUL(int8_matmul, int8_column, int8_wide, 0, 0.0f)
+DEFINE_MATMUL(int8_zero_matmul, int8_zero_column, int8_zero_wide, QMM_AVX2, 0.0f)
+DEFINE_MATMUL(bf16_matmul, bf16_column, bf16_wide, 0, 0.0f)
 
 /* int4 weights times int8 activations (quantize_activations), in tiles of 1-4 rows (the
  * layers call it below quant_matmul.INTEGER_ROWS rows). */
@@ -727,6 +796,20 @@ void int8_dequantize(const qmm_args *a, int64_t row0, int64_t count, float *out)
     for (int64_t g = 0; g < groups; g++) {
       const float scale = param(a->params, n * groups + g, a->params_bf16);
       for (int64_t k = g * gs; k < (g + 1) * gs; k++) out[(n - row0) * K + k] = (float)q[k] * scale;
+    }
+  }
+}
+
+void int8_zero_dequantize(const qmm_args *a, int64_t row0, int64_t count, float *out) {
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+  for (int64_t n = row0; n < row0 + count; n++) {
+    const int8_t *q = (const int8_t *)a->codes + n * K;
+    for (int64_t g = 0; g < groups; g++) {
+      const float scale = param(a->params, (n * groups + g) * 2, a->params_bf16);
+      const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_bf16);
+      for (int64_t k = g * gs; k < (g + 1) * gs; k++)
+        out[(n - row0) * K + k] = (float)q[k] * scale + zero;
     }
   }
 }

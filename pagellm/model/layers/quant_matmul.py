@@ -57,12 +57,13 @@ class _Library(native.KernelLibrary):
         what = WHAT + (f" [{self.level}]" if self.level else "")
         library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
         if library is not None:
-            for name in ("int4_matmul", "int8_matmul", "bf16_matmul", "int4_a8_matmul"):
+            for name in ("int4_matmul", "int8_matmul", "int8_zero_matmul", "bf16_matmul",
+                         "int4_a8_matmul"):
                 getattr(library, name).argtypes = [ctypes.POINTER(_Args)]
                 getattr(library, name).restype = None
             library.round_activations.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
             library.round_activations.restype = None
-            for name in ("int4_dequantize", "int8_dequantize"):
+            for name in ("int4_dequantize", "int8_dequantize", "int8_zero_dequantize"):
                 getattr(library, name).argtypes = [
                     ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
                 getattr(library, name).restype = None
@@ -122,8 +123,9 @@ class QuantizedMatmul:
     arguments and the module's workspace are shared).
 
     ``kind``: "int4" (codes from pack_int4, params [N, K / group_size, 2]), "int8" (codes
-    [N, K] int8, params [N] or [N, K / group_size]) or "bf16" (codes: a bfloat16 weight
-    [N, K] as it is, K % 8 == 0; params ignored). ``bias`` [N], added in float32 before the
+    [N, K] int8, params [N] or [N, K / group_size]), "int8_zero" (codes [N, K] int8, params
+    [N, K / group_size, 2]: w = q * scale + zero) or "bf16" (codes: a bfloat16 weight [N, K]
+    as it is, K % 8 == 0; params ignored). ``bias`` [N], added in float32 before the
     one rounding to x's dtype.
 
     ``int8_activations`` (int4 only; settable): multiply x rounded by quantize_activations
@@ -166,9 +168,7 @@ class QuantizedMatmul:
         else:
             out = torch.empty(num_rows, self.out_features, dtype=rows.dtype)
             args.out = out.data_ptr()
-            # the widened bfloat16 rows and, for int4, two floats per group of each row (int8
-            # activations: a scale per 32 columns, the group sums and a byte per column)
-            args.workspace = _LIBRARY.scratch(num_rows * (in_features + in_features // 16)
+            args.workspace = _LIBRARY.scratch(workspace_floats(num_rows, in_features)
                                               ).data_ptr()
             getattr(library, _kernel(self.kind, integer))(self.pointer)
         out = out.to(x.dtype)  # rounded rows: float32, rounded once here
@@ -178,7 +178,8 @@ class QuantizedMatmul:
                  ) -> Callable[[], None]:
         """This product of x [rows, K] (unit column stride, fewer than GEMM_ROWS rows) into
         ``out`` [rows, N] (x's dtype) as a prepared call: the kernels __call__ would run for
-        x, with ``workspace`` (at least rows * (K + K / 16) floats) and without the bias.
+        x, with ``workspace`` (at least workspace_floats(rows, K) floats) and without the
+        bias.
         Caller checks available()."""
         rows = x.shape[0]
         if rows >= GEMM_ROWS:
@@ -207,6 +208,13 @@ class QuantizedMatmul:
             out.copy_(out32)
 
         return call
+
+
+def workspace_floats(rows: int, in_features: int) -> int:
+    """The workspace a product of ``rows`` rows needs, in floats: the widened bfloat16 rows
+    and two floats per group of each row (groups of 16 at the smallest; int8 activations: a
+    scale per 32 columns, the group sums and a byte per column)."""
+    return rows * (in_features + in_features // 8)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_and_zero: torch.Tensor,

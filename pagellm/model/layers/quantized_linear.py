@@ -2,7 +2,8 @@
 
 - ``int8``: ``W[n, k] = q[n, k] * scale[n]`` with q in [-127, 127] (symmetric, scale =
   amax / 127), one scale per output channel; or one per group of ``group_size`` input
-  columns (``scale[n, g]``, g = k // group_size), as GGUF's Q8_0 blocks are.
+  columns (``scale[n, g]``, g = k // group_size), as GGUF's Q8_0 blocks are; or, for GGUF
+  blocks with a min (Q4_1, Q4_K, Q5_1, Q5_K, Q2_K), ``q[n, k] * scale[n, g] + zero[n, g]``.
 - ``int4``: groups of ``group_size`` input columns, asymmetric,
   ``W[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g]`` with q in [0, 15].
 
@@ -21,7 +22,8 @@ int4 with int8 activations (torch's kernel would take the rounded rows in float3
 path) run compiled wherever they are built, else as torch computes them.
 
 GGUF blocks map onto these without a detour where the layouts match: Q8_0 (``d * q`` over 32
-columns) is int8 with group 32; Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) over 32
+columns) is int8 with group 32, and every other GGUF type is int8 with its block's codes,
+scale and (where it has one) min (gguf_loader.int8_codes); Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) over 32
 columns, and each sub-block of 32 of a Q4_K super-block (``d * sc * q - dmin * m``), are int4
 with group 32, scale d (d * sc) and zero 0, m + 8d (8 d sc - dmin m)
 (gguf_loader.int4_codes). Everything else is quantized while loading from the checkpoint's
@@ -42,10 +44,16 @@ QUANTIZATION_METHODS = ("int8", "int4")
 
 class Int8Weight(nn.Module):
     """q [N, K] int8 and scale [N] (per output channel) or [N, K / group_size] (per group) in
-    the activation dtype."""
+    the activation dtype (GGUF groups: float32).
+
+    ``zero`` [N, K / group_size] (group-wise only): W = q * scale + zero. The scales and zeros
+    are then held together as ``scale_and_zero`` [N, K / group_size, 2] (``scale`` and
+    ``zero`` are views of it), the layout of the compiled "int8_zero" product; torch has no
+    kernel for it (nor for symmetric groups), so without the compiled kernels forward
+    multiplies the dequantized weight."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor,
-                 group_size: int | None = None) -> None:
+                 group_size: int | None = None, zero: torch.Tensor | None = None) -> None:
         super().__init__()
         out_features, in_features = q.shape
         self.group_size = group_size or in_features
@@ -56,13 +64,24 @@ class Int8Weight(nn.Module):
             out_features, in_features // self.group_size)
         if tuple(scale.shape) != expected:
             raise ValueError(f"int8 scales of shape {tuple(scale.shape)}, expected {expected}")
+        if zero is not None and (scale.dim() != 2 or zero.shape != scale.shape):
+            raise ValueError(f"int8 zeros of shape {tuple(zero.shape)}: zeros go with "
+                             f"group-wise scales of the same shape, got scales of shape "
+                             f"{tuple(scale.shape)}")
         self.register_buffer("q", q.contiguous())
-        self.register_buffer("scale", scale.contiguous())
+        if zero is None:
+            self.register_buffer("scale", scale.contiguous())
+            self.zero, params, kind = None, self.scale, "int8"
+        else:
+            self.register_buffer("scale_and_zero", torch.stack([scale, zero.to(scale.dtype)],
+                                                               -1).contiguous())
+            self.scale, self.zero = self.scale_and_zero[..., 0], self.scale_and_zero[..., 1]
+            params, kind = self.scale_and_zero, "int8_zero"
         # torch's kernel takes one scale per row; ours run group-wise scales wherever built
         self.compiled = quant_matmul.preferred() or (
             scale.dim() == 2 and quant_matmul.available())
         # the compiled product (QuantizedMatmul), which forward runs where ``compiled``
-        self.kernel = quant_matmul.QuantizedMatmul("int8", self.q, self.scale, self.group_size)
+        self.kernel = quant_matmul.QuantizedMatmul(kind, self.q, params, self.group_size)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Weight:
@@ -79,11 +98,14 @@ class Int8Weight(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """[N, K] float32."""
         scale = self.scale.float().view(self.q.shape[0], -1, 1)
-        return (self.q.float().view(*scale.shape[:2], -1) * scale).view(self.q.shape)
+        weight = self.q.float().view(*scale.shape[:2], -1) * scale
+        if self.zero is not None:
+            weight += self.zero.float()[..., None]
+        return weight.view(self.q.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
+        return sum(b.nbytes for b in self.buffers())
 
 
 class Int4Weight(nn.Module):
