@@ -69,7 +69,8 @@ class EngineArgs:
     # "fp8_e5m2", with a scale per token and KV head (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
     # Weight-only quantization of the linear layers on load: None, "int8" (per output
-    # channel) or "int4" (groups of quantization_group_size input columns); see
+    # channel; a GGUF file's blocks as they are) or "int4" (groups of
+    # quantization_group_size input columns); see
     # model/layers/quantized_linear.py
     quantization: str | None = None
     quantization_group_size: int = 128
