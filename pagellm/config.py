@@ -69,8 +69,9 @@ class EngineArgs:
     # "fp8_e5m2", with a scale per token and KV head (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
     # Weight-only quantization of the linear layers on load: None, "int8" (per output
-    # channel; a GGUF file's blocks as they are) or "int4" (groups of
-    # quantization_group_size input columns); see
+    # channel; a GGUF file's blocks as they are), "int4" (groups of
+    # quantization_group_size input columns) or "gguf" (a GGUF file's blocks as they are,
+    # each projection in the smallest format that holds them exactly); see
     # model/layers/quantized_linear.py
     quantization: str | None = None
     quantization_group_size: int = 128
@@ -121,8 +122,13 @@ class EngineArgs:
         _choice("quantization_group_size", self.quantization_group_size, (32, 64, 128, 256))
         _check(isinstance(self.int8_activations, bool), "int8_activations",
                self.int8_activations, "must be True or False")
-        _check(not self.int8_activations or self.quantization == "int4", "int8_activations",
-               self.int8_activations, f"needs quantization='int4' (got {self.quantization!r})")
+        _check(not self.int8_activations or self.quantization in ("int4", "gguf"),
+               "int8_activations", self.int8_activations,
+               f"needs quantization='int4' or 'gguf' (got {self.quantization!r})")
+        _check(self.quantization != "gguf" or self.quantization_group_size == 128,
+               "quantization_group_size", self.quantization_group_size,
+               "does not apply to quantization='gguf', which takes the file's own groups "
+               "(32 columns, 16 for Q6_K, Q3_K and Q2_K); leave it unset")
         if self.quantization is not None and self.tensor_parallel_size > 1:
             raise ValueError(
                 f"quantization={self.quantization!r} with tensor_parallel_size="

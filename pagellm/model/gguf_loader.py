@@ -13,6 +13,9 @@ is int8 groups as it is (32 columns, 16 for Q6_K, Q3_K and Q2_K; with a float32 
 group for the types with a min, Q4_1, Q4_K, Q5_1, Q5_K and Q2_K): a projection quantized to
 int8 (and the vocabulary projection, always int8) takes their codes and float32 scales
 (``int8_codes``) where the compiled group-wise int8 kernels run (quant_matmul.available()).
+``quantization="gguf"`` takes every projection from its blocks, in the smallest of the two
+formats that holds them exactly (``gguf_method``), and leaves the file's unquantized tensors
+unquantized.
 
 llama.cpp's converter reorders the rows of the Llama family's q and k projections (each head's
 rotary pairs (i, i + d/2) become adjacent rows, the GPT-J layout its kernels rotate); loading
@@ -297,6 +300,21 @@ def _float16(rows: np.ndarray, offset: int) -> np.ndarray:
     return rows[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
+def gguf_method(tensor_types: dict[str, str], names: list[str], lm_head: bool) -> str | None:
+    """A projection's format under quantization="gguf", from the GGUF types of its
+    checkpoint tensors (``names``, its shards): "int4" (groups of 32) where every shard is
+    Q4_0, Q4_1 or Q4_K, and it is not the vocabulary projection (int8, as under every
+    method); else "int8" where any shard is quantized (a plain shard beside it is quantized
+    per output channel, the only rounding added); else None (the file holds it unquantized,
+    and so does the model)."""
+    types = [tensor_types.get(n) for n in names]
+    if not lm_head and all(t in INT4_BLOCK_TYPES for t in types):
+        return "int4"
+    if any(t in INT8_BLOCK_TYPES for t in types):
+        return "int8"
+    return None
+
+
 def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: bool = False,
                          quantizing: QuantizingLoad | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -309,9 +327,12 @@ def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: 
 
     permute = field_value(reader, "general.architecture") == "llama"
     heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
-    direct = (quantizing is not None and quantizing.method == "int4"
-              and quantizing.group_size == 32)
-    direct_int8 = quantizing is not None and quant_matmul.available()
+    gguf = quantizing is not None and quantizing.method == "gguf"
+    direct = gguf or (quantizing is not None and quantizing.method == "int4"
+                      and quantizing.group_size == 32)
+    # without the compiled kernels the int8 groups run as the dequantized weight's matmul:
+    # int8 re-quantizes per channel instead (torch's kernel), "gguf" keeps the blocks
+    direct_int8 = gguf or (quantizing is not None and quant_matmul.available())
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED_TENSORS:
             continue
@@ -347,16 +368,23 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
     tensor (model/gguf_slices.py). With ``quantization`` the tensors are read in float32 and
     the projections quantized from those values (model/quantize_on_load.py), or taken as
     they are where the blocks are the format (int4 groups of 32 from Q4_0 / Q4_1 / Q4_K;
-    int8 groups from every quantized type)."""
+    int8 groups from every quantized type; "gguf": every projection as ``gguf_method``
+    chooses)."""
     from pagellm.model.loader import build_model, finish_weights, load_weights
 
     hf_config = load_gguf_config(path)
     model = build_model(hf_config, dtype, device, tp)
     lazy = tp is not None and tp.world_size > 1
+    reader = open_reader(path)
     quantizing = None
     if quantization is not None and not lazy:
-        quantizing = QuantizingLoad(model, quantization, quantization_group_size)
-    weights = iterate_gguf_weights(open_reader(path), hf_config,
+        choose = None
+        if quantization == "gguf":
+            types = {hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors
+                     if t.name not in _SKIPPED_TENSORS}
+            choose = functools.partial(gguf_method, types)
+        quantizing = QuantizingLoad(model, quantization, quantization_group_size, choose)
+    weights = iterate_gguf_weights(reader, hf_config,
                                    torch.float32 if quantizing else dtype, lazy, quantizing)
     load_weights(model, quantizing.stream(weights) if quantizing else weights)
     finish_weights(model, device, pack_weights, quantization, quantization_group_size)

@@ -127,7 +127,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     On the CPU the projections are then packed for oneDNN (CausalLM.pack_weights) unless
     ``pack_weights`` is False; with ``quantization`` ("int8", "int4") they are quantized
     instead, from the checkpoint's values as they stream in (model/quantize_on_load.py,
-    model/layers/quantized_linear.py; one rank only)."""
+    model/layers/quantized_linear.py; one rank only); "gguf" (GGUF files only) takes the
+    file's blocks as they are (gguf_loader.gguf_method)."""
     tp = tp or single_device_group()
     check_supported(quantization, torch.device(device), dtype)
     if quantization is not None and tp.world_size > 1:
@@ -139,6 +140,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         return load_gguf_model(path, dtype, device, pack_weights, tp, quantization,
                                quantization_group_size)
     path = Path(path)
+    if quantization == "gguf":
+        raise ValueError(f"quantization='gguf' takes a GGUF file's own quantized blocks; "
+                         f"{str(path)!r} is not a .gguf file: use quantization='int8' or "
+                         "'int4' to quantize its weights")
     if not (path / "config.json").is_file():
         raise ModelNotFoundError(f"model folder {str(path)!r} has no config.json")
     hf_config = load_config(path)
@@ -155,8 +160,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
 def finish_weights(model: CausalLM, device: torch.device | str, pack_weights: bool,
                    quantization: str | None, group_size: int) -> None:
     """After loading: quantize the projections not quantized while loading (from their
-    loaded weight), or pack them for oneDNN on the CPU."""
-    if quantization is not None:
+    loaded weight), or pack them for oneDNN on the CPU. With "gguf" the projections the file
+    holds unquantized stay so (packed)."""
+    if quantization == "gguf":
+        if pack_weights and torch.device(device).type == "cpu":
+            model.pack_weights()
+    elif quantization is not None:
         shared = {id(model.lm_head.weight)} if model.tie_word_embeddings else set()
         if model.lm_head.quantized is None:  # the logits' matrix stays at 8 bits, as in llama.cpp
             model.lm_head.quantized = quantize_linear(model.lm_head, "int8", group_size)

@@ -22,7 +22,7 @@ finish_weights, which quantizes it from its loaded weight.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -45,27 +45,36 @@ class QuantizingLoad:
     projection is installed once, from parts of every one of its checkpoint tensors, in its
     shards' order. The vocabulary projection is int8 whatever the method (finish_weights);
     when tied, it is quantized from the embedding's tensor and its weight is kept.
+
+    ``method="gguf"``: each projection's format is ``choose(checkpoint names, is the
+    vocabulary projection)``, "int4" (groups of 32), "int8" or None (left plain), from the
+    file's tensor types (gguf_loader.gguf_method).
     """
 
-    def __init__(self, model: Any, method: str, group_size: int) -> None:
-        self.method, self.group_size = method, group_size
+    def __init__(self, model: Any, method: str, group_size: int,
+                 choose: Callable[[list[str], bool], str | None] | None = None) -> None:
+        if method == "gguf" and choose is None:
+            raise ValueError("quantization='gguf' needs the file's tensor types")
+        self.method, self.group_size = method, 32 if method == "gguf" else group_size
         self.dtype = model.lm_head.weight.dtype
         self.parts: dict[str, Parts] = {}
         # projection module -> its checkpoint tensors, in its output's order
         self._sources: dict[Linear, list[str]] = {}
         self._module_of: dict[str, Linear] = {}  # checkpoint name -> projection
-        self._lm_head = model.lm_head
+        self._methods: dict[Linear, str | None] = {}  # projection -> its format
         self._shared = {id(model.lm_head.weight)} if model.tie_word_embeddings else set()
         for module, names in _projection_sources(model).items():
             self._sources[module] = names
             self._module_of.update((n, module) for n in names)
+            lm_head = module is model.lm_head
+            self._methods[module] = (choose(names, lm_head) if choose is not None
+                                     else "int8" if lm_head else method)
 
     def method_of(self, name: str) -> str | None:
-        """"int8" / "int4" for a checkpoint tensor that a projection is quantized from."""
+        """"int8" / "int4" for a checkpoint tensor that a projection is quantized from; None
+        for any other tensor."""
         module = self._module_of.get(name)
-        if module is None:
-            return None
-        return "int8" if module is self._lm_head else self.method
+        return None if module is None else self._methods[module]
 
     def add(self, name: str, parts: Parts) -> None:
         """Parts taken from the file as they are (int4: codes, scale, zero float32; int8: codes,

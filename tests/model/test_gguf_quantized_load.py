@@ -93,6 +93,52 @@ def test_int8_model_from_blocks_with_a_min_computes_the_float32_model(tmp_path, 
     check_model_holds_the_file(write_tiny_gguf(tmp_path, type_name), "int8", Int8Weight)
 
 
+def test_gguf_method_takes_each_projection_as_its_blocks(tmp_path):
+    """quantization="gguf" on a file mixing Q4_K, Q6_K (attn_v) and F16 (ffn_down), as
+    llama.cpp's Q4_K_M files mix their types: all-Q4_K projections are int4 groups of 32, a
+    fused projection with a Q6_K shard int8 (groups of 16, the Q4_K shards with zeros), the
+    F16 ones stay plain; every weight is the file's, and the logits are the float32 model's."""
+    path, expected = write_tiny_gguf(tmp_path, "Q4_K",
+                                     other_types={"attn_v": "Q6_K", "ffn_down": "F16"})
+    model, config = load_model(path, dtype=torch.float32, quantization="gguf")
+    plain, _ = load_model(path, dtype=torch.float32, pack_weights=False)
+    layers = projections(model)
+    for name, module in layers.items():
+        layer, values = module.quantized, file_weight(expected, name)
+        if name.endswith("qkv_proj") or name == "lm_head":
+            assert isinstance(layer, Int8Weight), name
+            assert layer.group_size == (16 if name.endswith("qkv_proj") else 32), name
+            assert layer.zero is not None, name
+        elif name.endswith("down_proj"):
+            assert layer is None, name
+            torch.testing.assert_close(plain.get_submodule(name).weight, values, rtol=0, atol=0)
+            continue
+        else:
+            assert isinstance(layer, Int4Weight) and layer.group_size == 32, name
+        assert torch.equal(layer.dequantized(), values), name
+    plain.lm_head.weight.data = layers["lm_head"].quantized.dequantized()
+    prompts = [[0, 5, 77, 300, 12, 9, 41, 3], [0, 400, 3] * 6]
+    results = [PagedGreedy(None, loaded=(m, config), num_blocks=64).generate(
+        prompts, 6, record_prompt_logits=True) for m in (model, plain)]
+    assert results[0].tokens == results[1].tokens
+    for ours, reference in zip(results[0].prompt_logits + results[0].logits,
+                               results[1].prompt_logits + results[1].logits):
+        scale = reference.abs().max().item()
+        torch.testing.assert_close(ours, reference, atol=1e-4 * scale, rtol=0)
+
+
+def test_gguf_method_needs_a_gguf_file_and_its_own_groups(model_zoo):
+    from pagellm import EngineArgs
+
+    llama_dir, _ = model_zoo("llama")
+    with pytest.raises(ValueError, match=r"quantization='gguf' takes a GGUF file's own"):
+        load_model(llama_dir, quantization="gguf")
+    with pytest.raises(ValueError, match=r"quantization_group_size.*does not apply to "
+                                         r"quantization='gguf'"):
+        EngineArgs(model="m.gguf", quantization="gguf", quantization_group_size=32)
+    EngineArgs(model="m.gguf", quantization="gguf", int8_activations=True)
+
+
 def check_model_holds_the_file(file, method, layer_type) -> None:
     path, expected = file
     quantized, config = load_model(path, dtype=torch.float32, quantization=method,
@@ -225,14 +271,15 @@ def test_safetensors_float32_checkpoint_is_quantized_from_its_values(model_zoo):
         assert torch.equal(module.quantized.scale, reference.scale), name
 
 
-def test_smollm2_int4_takes_every_projection_from_the_file():
+@pytest.mark.parametrize("method", ["int4", "gguf"])
+def test_smollm2_int4_takes_every_projection_from_the_file(method):
     """The real SmolLM2 file (Q4_1 projections, a Q8_0 embedding tied to the output) in int4
-    groups of 32, bfloat16: every projection holds the file's own codes, scales and zeros;
-    the tied vocabulary projection is int8 from the embedding's float32 values, and the
-    embedding keeps its weight."""
+    groups of 32 (or as its blocks are: the same), bfloat16: every projection holds the
+    file's own codes, scales and zeros; the tied vocabulary projection is int8 from the
+    embedding's float32 values, and the embedding keeps its weight."""
     path = smollm2_gguf()
-    model, config = load_model(path, dtype=torch.bfloat16, quantization="int4",
-                               quantization_group_size=32)
+    model, config = load_model(path, dtype=torch.bfloat16, quantization=method,
+                               **({"quantization_group_size": 32} if method == "int4" else {}))
     tensors = {t.name: t for t in open_reader(path).tensors}
 
     def codes(gguf_name: str, heads: int | None = None) -> tuple[torch.Tensor, ...]:
@@ -259,7 +306,7 @@ def test_smollm2_int4_takes_every_projection_from_the_file():
     embedding = gguf.quants.dequantize(tensors["token_embd.weight"].data,
                                        tensors["token_embd.weight"].tensor_type)
     lm_head = layers["lm_head"].quantized
-    if quant_matmul.available():  # the Q8_0 blocks as they are
+    if quant_matmul.available() or method == "gguf":  # the Q8_0 blocks as they are
         q, scale = int8_codes(tensors["token_embd.weight"])
         assert torch.equal(lm_head.q, q) and torch.equal(lm_head.scale, scale)
         np.testing.assert_array_equal(lm_head.dequantized().numpy(), embedding)

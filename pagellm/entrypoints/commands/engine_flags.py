@@ -53,10 +53,11 @@ HELP = {
     "kv_cache_dtype": "KV cache storage: auto (the model dtype), int8, fp8 (= fp8_e4m3) or "
                       "fp8_e5m2, with a scale per token and KV head (default: auto)",
     "quantization": "weight-only quantization of the linear layers: int8 (per output "
-                    "channel; a GGUF file's blocks as they are) or int4 (groups of "
-                    "--quantization-group-size); CPU only (default: None)",
+                    "channel; a GGUF file's blocks as they are), int4 (groups of "
+                    "--quantization-group-size) or gguf (a GGUF file's blocks as they are, "
+                    "int4 for Q4 types and int8 for the others); CPU only (default: None)",
     "quantization_group_size": "input columns per int4 scale: 32, 64, 128 or 256",
-    "int8_activations": "with --quantization int4: multiply by activations rounded to int8 "
+    "int8_activations": "with --quantization int4 or gguf: multiply by activations rounded to int8 "
                         "per 32 columns, with integer dot products (as llama.cpp's Q4 x Q8): "
                         "faster small-batch decode on the CPU, adds the activations' rounding "
                         "(default: off)",

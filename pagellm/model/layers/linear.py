@@ -225,7 +225,8 @@ def pack_linear_weights(model: nn.Module, shared: Collection[int] = ()) -> int:
     ``shared``: ids of weight tensors that other modules also read (tied embeddings), which
     are packed but kept.
     """
-    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    linears = [module for module in model.modules()
+               if isinstance(module, Linear) and module.quantized is None]
     packed = sum(module.pack(keep_weight=id(module.weight) in shared) for module in linears)
     upcast = [module for module in linears if module.upcast]
     if upcast:  # expected on such CPUs, and handled: said, not warned

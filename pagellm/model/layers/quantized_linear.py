@@ -39,7 +39,9 @@ from torch import nn
 
 from pagellm.model.layers import quant_matmul
 
-QUANTIZATION_METHODS = ("int8", "int4")
+# "gguf": a GGUF file's projections as its blocks are (gguf_loader.gguf_method): int4 groups
+# of 32 where every shard is Q4_0 / Q4_1 / Q4_K, else int8 groups; plain tensors stay plain
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 
 
 class Int8Weight(nn.Module):
