@@ -18,7 +18,9 @@ _GiB = 1 << 30
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "fp32": "float32"}
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
-QUANTIZATION_METHODS = (None, "int8", "int4")
+# weight-only formats (model/layers/quantized_linear.py); "gguf": a GGUF file's blocks as
+# they are (model/gguf_loader.gguf_method)
+QUANTIZATION_METHODS = (None, "int8", "int4", "gguf")
 
 
 @dataclass(slots=True)

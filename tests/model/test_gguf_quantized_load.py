@@ -135,8 +135,8 @@ def test_gguf_method_needs_a_gguf_file_and_its_own_groups(model_zoo):
         load_model(llama_dir, quantization="gguf")
     with pytest.raises(ValueError, match=r"quantization_group_size.*does not apply to "
                                          r"quantization='gguf'"):
-        EngineArgs(model="m.gguf", quantization="gguf", quantization_group_size=32)
-    EngineArgs(model="m.gguf", quantization="gguf", int8_activations=True)
+        EngineArgs(model="m.gguf", quantization="gguf", quantization_group_size=32).validate()
+    EngineArgs(model="m.gguf", quantization="gguf", int8_activations=True).validate()
 
 
 def check_model_holds_the_file(file, method, layer_type) -> None:

@@ -146,5 +146,5 @@ def test_int8_activations_engine_matches_its_definition(model_zoo):
               for llm in (fast, reference)]
     assert tokens[0] == tokens[1]
     with pytest.raises(ValueError, match="int8_activations=True is invalid: needs "
-                                         "quantization='int4' \\(got 'int8'\\)"):
+                                         "quantization='int4' or 'gguf' \\(got 'int8'\\)"):
         LLM(str(llama_dir), quantization="int8", int8_activations=True)

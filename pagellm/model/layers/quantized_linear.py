@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm import config
 from pagellm.model.layers import quant_matmul
 
-# "gguf": a GGUF file's projections as its blocks are (gguf_loader.gguf_method): int4 groups
-# of 32 where every shard is Q4_0 / Q4_1 / Q4_K, else int8 groups; plain tensors stay plain
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+# the engine's choices (pagellm/config.py), None aside
+QUANTIZATION_METHODS = tuple(m for m in config.QUANTIZATION_METHODS if m is not None)
 
 
 class Int8Weight(nn.Module):
