@@ -191,9 +191,7 @@ def paged_decode_attention_quantized(query: torch.Tensor, cache: QuantizedKVCach
     """paged_decode_attention over an 8-bit cache (kv_quant.QuantizedKVCache: rows of
     head_dim bytes and a bfloat16 scale), dequantized row by row in the kernel; the step's
     K/V must be in the cache already. Caller guarantees supports_quantized(query, cache)."""
-    library = _KERNEL.load()
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = cache.key.shape[1], cache.key.shape[2]
     if not (cache.key.is_contiguous() and cache.value.is_contiguous()
             and cache.key.dtype == cache.value.dtype == torch.uint8
             and head_dim == cache.head_dim):
@@ -201,22 +199,31 @@ def paged_decode_attention_quantized(query: torch.Tensor, cache: QuantizedKVCach
                          f"head_dim + 2 = {head_dim + 2} bytes")
     query = query.contiguous()
     out = torch.empty_like(query)
-    lut = _lut(cache.format)
-    pair_seq, pair_block, pair_phys = pairs
-    threads = torch.get_num_threads()
-    rows = num_seqs * num_heads
-    workspace = _KERNEL.scratch(rows * (max_seq_len + (max_seq_len + 1) // 2 + 1
-                                        + threads * head_dim))
+    call = prepared_decode_attention_quantized(query, cache, out, scale, sliding_window)
+    set_step(call, pairs, seq_lens, max_seq_len, None,
+             decode_workspace(num_seqs, num_heads, head_dim, max_seq_len))
+    call()
+    return out
+
+
+def prepared_decode_attention_quantized(query: torch.Tensor, cache: QuantizedKVCache,
+                                        out: torch.Tensor, scale: float,
+                                        sliding_window: int | None) -> native.PreparedCall:
+    """paged_decode_attention_quantized's call into ``out``, for a query [rows, heads, D]
+    and out that stay where they are, the step's fields set by set_step before each call
+    (the step's K/V stored in the cache already). Caller checks what
+    paged_decode_attention_quantized checks."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = cache.key.shape[1], cache.key.shape[2]
     args = _DecodeArgs(
         query.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(), out.data_ptr(),
-        None, None, None, pair_seq.data_ptr(), pair_block.data_ptr(), pair_phys.data_ptr(),
-        seq_lens.data_ptr(), workspace.data_ptr(), len(pair_seq), num_seqs, num_heads,
-        num_kv_heads, head_dim, block_size, max_seq_len, sliding_window or 0, threads, 0, scale,
-        lut.data_ptr())
+        None, None, None, None, None, None, None, None, 0, num_seqs, num_heads, num_kv_heads,
+        head_dim, block_size, 0, sliding_window or 0, torch.get_num_threads(), 0, scale,
+        _lut(cache.format).data_ptr())
     decoding = {"int8": "int8", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}[cache.format.name]
-    getattr(library, f"paged_decode_attention_q8_{_SUFFIX[query.dtype]}_{decoding}")(
-        ctypes.byref(args))
-    return out
+    library = _KERNEL.load()
+    return native.PreparedCall(getattr(
+        library, f"paged_decode_attention_q8_{_SUFFIX[query.dtype]}_{decoding}"), args)
 
 
 _LUTS: dict[str, torch.Tensor] = {}

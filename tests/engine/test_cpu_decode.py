@@ -102,6 +102,23 @@ def test_plan_gives_the_forward_s_tokens_and_logprobs_exactly(llama_dir, compile
     assert sum(served) > 0 and not all(served)  # the prefill steps ran the forward
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
+def test_plan_on_an_8_bit_kv_cache(llama_dir, compiled_matmuls, kv_cache_dtype):
+    """An 8-bit KV cache: the step's K/V quantized and stored by the layer's own store, then
+    the compiled 8-bit decode kernel; the forward's tokens and logprobs bit for bit, with
+    int4 weights and with the model dtype's."""
+    for options in (dict(quantization="int4", quantization_group_size=32), dict()):
+        options["kv_cache_dtype"] = kv_cache_dtype
+        llm, eager = engine(llama_dir, **options), eager_twin(llama_dir, **options)
+        plan = plan_or_skip(llm)
+        prompts = [{"prompt_token_ids": p} for p in make_prompts(5, [5, 9, 3], seed=8)]
+        served: list[int] = []
+        for count in (1, 5):
+            assert generate(llm, prompts[:count], plan, served) == generate(
+                eager, prompts[:count], None, [])
+        assert any(served)
+
+
 def with_zeros_in_groups_of_16(llm: LLM) -> CpuDecodePlan:
     """Every int8 layer of the engine's model as int8 codes with a scale and a zero per
     group of 16 (the form of GGUF's Q2_K blocks: the most group sums per row, the widest
@@ -203,15 +220,17 @@ def test_float32_models(llama_dir, compiled_matmuls, options):
 
 
 def test_plan_off_where_it_does_not_apply(llama_dir, compiled_matmuls):
-    """enforce_eager, float16 models and an 8-bit KV cache run every step through the
-    forward, and the reason is known."""
+    """enforce_eager, float16 models and a float16 KV cache beside a bfloat16 model run
+    every step through the forward, and the reason is known."""
     assert engine(llama_dir, quantization="int4", quantization_group_size=32,
                   enforce_eager=True).llm_engine.runner.cpu_decode is None
-    for options, reason in ((dict(dtype="float16", quantization=None),
-                             "bfloat16 and float32 models"),
-                            (dict(kv_cache_dtype="int8"), "KV cache of the model dtype")):
-        llm = LLM(str(llama_dir), max_model_len=64, kv_cache_memory_bytes=1 << 20,
-                  **{"dtype": "bfloat16", "quantization": "int8", **options})
-        runner = llm.llm_engine.runner
-        assert runner.cpu_decode is None
-        assert reason in CpuDecodePlan.supports(runner.model, runner.cache_engine.kv_caches)
+    llm = LLM(str(llama_dir), max_model_len=64, kv_cache_memory_bytes=1 << 20,
+              dtype="float16")
+    runner = llm.llm_engine.runner
+    assert runner.cpu_decode is None
+    assert "bfloat16 and float32 models" in CpuDecodePlan.supports(
+        runner.model, runner.cache_engine.kv_caches)
+    bfloat16 = engine(llama_dir).llm_engine.runner
+    caches = [(k.half(), v.half()) for k, v in bfloat16.cache_engine.kv_caches]
+    assert "KV cache of the model dtype, or an 8-bit one" in CpuDecodePlan.supports(
+        bfloat16.model, caches)
