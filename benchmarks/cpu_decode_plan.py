@@ -14,6 +14,8 @@ int8_activations) with each of --kernels:
   calls through the layers' forward (int4_a8 and bfloat16 have no such variant: int8
   activations take the compiled kernels wherever they are built).
 
+--kv-cache-dtype (auto, int8, fp8, fp8_e5m2) is every engine's KV cache.
+
 Each batch size alternates plan / eager --repeats times, fastest run kept: B sequences decode
 together, each after its own 16-token prompt, --new-tokens greedy tokens each, EOS ignored;
 the figure is B x (new_tokens - 1) / (first token to last token). The plan's results are the
@@ -29,6 +31,7 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.bench.throughput import machine_info
+from pagellm.config import KV_CACHE_DTYPES
 from pagellm.model.layers import quant_matmul
 
 PROMPT_LEN = 16
@@ -40,11 +43,12 @@ def prompt(i: int) -> list[int]:
 
 
 def make_engine(model: str, weights: str, eager: bool, max_batch: int,
-                max_model_len: int) -> LLM:
+                max_model_len: int, kv_cache_dtype: str) -> LLM:
     quantization = None if weights == "bfloat16" else weights[:4]
     llm = LLM(model, dtype="bfloat16", quantization=quantization, quantization_group_size=32,
               int8_activations=weights == "int4_a8", max_model_len=max_model_len,
-              kv_cache_memory_bytes=128 << 20, max_num_seqs=max_batch, enforce_eager=eager)
+              kv_cache_memory_bytes=128 << 20, max_num_seqs=max_batch, enforce_eager=eager,
+              kv_cache_dtype=kv_cache_dtype)
     warm = [{"prompt_token_ids": prompt(i)} for i in range(max_batch)]
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     return llm
@@ -72,6 +76,7 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(WEIGHTS)}")
     parser.add_argument("--kernels", default="compiled,torch",
                         help="comma-separated: compiled, torch (the int4/int8 layers' kernels)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     weights = args.weights.split(",")
@@ -95,7 +100,8 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     report: dict = {"machine": machine_info(), "threads": args.threads,
-                    "new_tokens": args.new_tokens, "repeats": args.repeats, "runs": []}
+                    "new_tokens": args.new_tokens, "repeats": args.repeats,
+                    "kv_cache_dtype": args.kv_cache_dtype, "runs": []}
     preferred = quant_matmul.preferred
     for kernel in kernels:
         # the layers read this when they are built: the engines below take the chosen kernels
@@ -106,7 +112,7 @@ def main() -> None:
                     continue  # the same as the compiled configuration (no int4/int8 layers;
                     # int8 activations take the compiled kernels wherever they are built)
                 engines = {name: make_engine(model, weight, name == "eager", max(batches),
-                                             args.max_model_len)
+                                             args.max_model_len, args.kv_cache_dtype)
                            for name in ("plan", "eager")}
                 plan_on = engines["plan"].llm_engine.runner.cpu_decode is not None
                 for batch in batches:

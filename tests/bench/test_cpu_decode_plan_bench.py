@@ -1,5 +1,5 @@
-"""benchmarks/cpu_decode_plan.py on the tiny model: both kernel choices, a JSON report whose
-plan and eager engines agree token for token, and bad arguments named."""
+"""benchmarks/cpu_decode_plan.py on the tiny model: both kernel choices over an int8 KV cache,
+a JSON report whose plan and eager engines agree token for token, and bad arguments named."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_report_of_both_kernel_choices(tiny_model):
     done = run("--model", str(tiny_model), "--batch-sizes", "1,3", "--repeats", "1",
-               "--new-tokens", "4", "--weights", "int4,bfloat16", "--max-model-len", "64")
+               "--new-tokens", "4", "--weights", "int4,bfloat16", "--max-model-len", "64",
+               "--kv-cache-dtype", "int8")
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     runs = {(r["kernels"], r["weights"], r["batch"]): r for r in report["runs"]}
@@ -29,7 +30,9 @@ def test_report_of_both_kernel_choices(tiny_model):
                                                 ("compiled", "bfloat16")) for b in (1, 3)}
     for entry in runs.values():
         assert entry["same_tokens"] and entry["plan_tok_s"][0] > 0 < entry["eager_tok_s"][0]
+        assert entry["plan_on"]  # over the 8-bit cache too
     assert report["machine"]["cpu"] and report["threads"] == 1
+    assert report["kv_cache_dtype"] == "int8"
 
 
 def test_bad_arguments_are_named(monkeypatch):
