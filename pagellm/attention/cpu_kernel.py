@@ -226,6 +226,59 @@ def prepared_decode_attention_quantized(query: torch.Tensor, cache: QuantizedKVC
         library, f"paged_decode_attention_q8_{_SUFFIX[query.dtype]}_{decoding}"), args)
 
 
+class _StoreArgs(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_void_p) for name in
+                 ("key", "value", "slots", "k_cache", "v_cache")]
+                + [(name, ctypes.c_int64) for name in
+                   ("stride", "num_tokens", "num_kv_heads", "head_dim")]
+                + [("bf16", ctypes.c_int32), ("format", ctypes.c_int32)])
+
+
+_STORE_FORMATS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
+
+
+def store_quantized(key: torch.Tensor, value: torch.Tensor, cache: QuantizedKVCache,
+                    slots: torch.Tensor) -> None:
+    """kv_quant.write_to_kv_cache in one compiled pass: the step's key/value [num_tokens,
+    num_kv_heads, head_dim] (float32 or bfloat16) quantized as kv_quant.quantize does, bit
+    for bit, and stored at ``slots`` (negative: padding, skipped). Caller checks
+    supports_quantized for a query of key's dtype."""
+    key, value = _rows(key), _rows(value)
+    if key.stride(0) != value.stride(0):
+        key, value = key.contiguous(), value.contiguous()
+    slots = slots.contiguous()
+    call = _store_call(key, value, cache)
+    call.args.slots = slots.data_ptr()
+    call()
+
+
+def prepared_store_quantized(key: torch.Tensor, value: torch.Tensor,
+                             cache: QuantizedKVCache) -> native.PreparedCall:
+    """store_quantized as a prepared call on key/value that stay where they are (token rows
+    of one stride, each row contiguous, as the projections' views are); the step's slots
+    (one per token) are set on ``args.slots`` before each call."""
+    if key is not _rows(key) or value is not _rows(value) or key.stride(0) != value.stride(0):
+        raise ValueError("prepared_store_quantized: key and value need contiguous token rows "
+                         "of one stride")
+    return _store_call(key, value, cache)
+
+
+def _store_call(key: torch.Tensor, value: torch.Tensor, cache: QuantizedKVCache
+                ) -> native.PreparedCall:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if not (value.shape == key.shape and key.dtype == value.dtype and key.dtype in _SUFFIX
+            and head_dim == cache.head_dim <= 256 and cache.key.is_contiguous()
+            and cache.value.is_contiguous() and num_kv_heads == cache.key.shape[2]):
+        raise ValueError(f"store_quantized: key/value {list(key.shape)} "
+                         f"{str(key.dtype).removeprefix('torch.')} do not fit a cache of "
+                         f"{cache.key.shape[2]} KV heads x head_dim {cache.head_dim} (<= 256), "
+                         "float32 or bfloat16 rows")
+    args = _StoreArgs(key.data_ptr(), value.data_ptr(), None, cache.key.data_ptr(),
+                      cache.value.data_ptr(), key.stride(0), num_tokens, num_kv_heads,
+                      head_dim, key.dtype == torch.bfloat16, _STORE_FORMATS[cache.format.name])
+    return native.PreparedCall(_KERNEL.load().paged_store_q8, args)
+
+
 _LUTS: dict[str, torch.Tensor] = {}
 
 
@@ -258,4 +311,6 @@ def _build_and_load(level: str | None, portable: bool) -> ctypes.CDLL | None:
                     getattr(library, f"paged_decode_attention_{name}{suffix}{decoding}"
                             ).argtypes = [ctypes.POINTER(_DecodeArgs)]
         library.paged_decode_features.restype = ctypes.c_int
+        library.paged_store_q8.argtypes = [ctypes.POINTER(_StoreArgs)]
+        library.paged_store_q8.restype = None
     return library

@@ -1109,3 +1109,80 @@ int paged_decode_features(void) {
 #endif
   return f;
 }
+
+/* ---- the 8-bit caches' store ----------------------------------------------------------- */
+
+/* float32 -> fp8 code, round to nearest even with torch's (c10's) bit operations, so that the
+   store writes the bytes kv_quant.quantize writes (the caller clamps to the format's range). */
+INLINE uint8_t fp8_code(float f, int e5m2) {
+  union { uint32_t u; float f; } c, d;
+  c.f = f;
+  const uint32_t sign = c.u & 0x80000000u;
+  uint32_t bits = c.u ^ sign;
+  const uint32_t max_bits = e5m2 ? 143u << 23 : 1087u << 20; /* beyond: inf / NaN codes */
+  const uint32_t denorm = e5m2 ? 134u << 23 : 141u << 23;
+  const uint32_t min_normal = e5m2 ? 113u << 23 : 121u << 23;
+  const int shift = e5m2 ? 21 : 20, bias = e5m2 ? 15 : 7;
+  uint8_t code;
+  if (bits >= max_bits) {
+    code = e5m2 ? (bits > 0x7f800000u ? 0x7f : 0x7c) : 0x7f;
+  } else if (bits < min_normal) { /* subnormal: let the float adder round */
+    c.u = bits;
+    d.u = denorm;
+    c.f += d.f;
+    code = (uint8_t)(c.u - denorm);
+  } else {
+    const uint32_t odd = (bits >> shift) & 1u;
+    bits += ((uint32_t)(bias - 127) << 23) + ((1u << (shift - 1)) - 1u) + odd;
+    code = (uint8_t)(bits >> shift);
+  }
+  return code | (uint8_t)(sign >> 24);
+}
+
+/* Quantize the step's K/V rows (float32 or bfloat16, num_kv_heads * head_dim per token, rows
+   ``stride`` elements apart) into the 8-bit caches at their slots (negative: padding, not
+   written), row by row as kv_quant.quantize: scale = bfloat16(amax / qmax) (1 for an all-zero
+   row), codes = x / scale clamped to +-qmax, rounded to nearest even (int8) or to the fp8
+   format; each row's head_dim (<= 256) codes, then its scale's two bytes. format: 0 int8,
+   1 e4m3, 2 e5m2. */
+typedef struct {
+  const void* key;
+  const void* value;
+  const int64_t* slots;
+  uint8_t* k_cache;
+  uint8_t* v_cache;
+  int64_t stride, num_tokens, num_kv_heads, head_dim;
+  int32_t bf16, format;
+} store_args;
+
+void paged_store_q8(const store_args* a) {
+  const float qmax = a->format == 0 ? 127.0f : a->format == 1 ? 448.0f : 57344.0f;
+  const int64_t D = a->head_dim, raw = D + 2;
+  for (int64_t t = 0; t < a->num_tokens; t++) {
+    if (a->slots[t] < 0) continue;
+    for (int kv = 0; kv < 2; kv++) {
+      const void* rows = kv ? a->value : a->key;
+      uint8_t* cache = (kv ? a->v_cache : a->k_cache) + a->slots[t] * a->num_kv_heads * raw;
+      for (int64_t h = 0; h < a->num_kv_heads; h++) {
+        const int64_t first = t * a->stride + h * D;
+        float x[256], amax = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+          x[d] = a->bf16 ? load_bf16(((const bf16_t*)rows)[first + d])
+                         : ((const float*)rows)[first + d];
+          const float m = x[d] < 0 ? -x[d] : x[d];
+          amax = m > amax || m != m ? m : amax; /* NaN propagates, as torch's amax */
+        }
+        const bf16_t scale_bits = store_bf16(amax > 0 ? amax / qmax : 1.0f);
+        const float scale = load_bf16(scale_bits);
+        uint8_t* out = cache + h * raw;
+        for (int64_t d = 0; d < D; d++) {
+          float y = x[d] / scale;
+          y = y < -qmax ? -qmax : y > qmax ? qmax : y;
+          out[d] = a->format == 0 ? (uint8_t)(int8_t)__builtin_nearbyintf(y)
+                                  : fp8_code(y, a->format == 2);
+        }
+        memcpy(out + D, &scale_bits, 2);
+      }
+    }
+  }
+}

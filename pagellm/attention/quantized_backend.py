@@ -3,7 +3,9 @@ decode fast path: the torch backend's semantics, reading quantized blocks.
 
 One call handles a step as torch_backend.paged_attention does: quantize and store the step's
 K/V (every token's, so that prefills, prefix-cache hits and decodes all read the same rounded
-values: a prefix hit then gives the same result as computing the prefix), then attend.
+values: a prefix hit then gives the same result as computing the prefix), then attend. The
+store is the compiled one (cpu_kernel.store_quantized, the same bytes in one pass) where the
+CPU kernel runs, else kv_quant.write_to_kv_cache.
 
 - Decodes: the compiled CPU kernel (cpu_kernel.paged_decode_attention_quantized) where it
   runs; else ``chunked_attention`` over the batch.
@@ -83,7 +85,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     query [num_tokens, num_heads, D]; key, value [num_tokens, num_kv_heads, D] of the step's
     tokens (quantized into the cache here); returns [num_tokens, num_heads, D]."""
-    write_to_kv_cache(key, value, cache, metadata.slot_mapping, metadata.write_index)
+    if cpu_kernel.supports_quantized(key, cache):
+        cpu_kernel.store_quantized(key, value, cache, metadata.slot_mapping)
+    else:
+        write_to_kv_cache(key, value, cache, metadata.slot_mapping, metadata.write_index)
     out = torch.empty_like(query)
     num_prefill_tokens = metadata.num_prefill_tokens
     if metadata.prefill is not None:

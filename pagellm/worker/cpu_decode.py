@@ -9,7 +9,7 @@ arguments prepared once per number of sequences and buffers allocated once:
 
     rms_norm (+ residual) -> qkv product -> rotary in place on q and k (Qwen3: after its
     per-head q/k norms, through the norm modules as the forward does) -> decode attention
-    (storing the step's K/V; an 8-bit cache: kv_quant.write_to_kv_cache first, as the
+    (storing the step's K/V; an 8-bit cache: the compiled quantizing store first, as the
     layer's quantized path) -> o product -> rms_norm (+ residual) -> gate_up product ->
     SiLU-and-multiply (float32: torch's, as the MLP computes it) -> down product, per layer;
     then the final rms_norm.
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.attention import Attention, AttentionMetadata, cpu_kernel
-from pagellm.attention.kv_quant import QuantizedKVCache, write_to_kv_cache
+from pagellm.attention.kv_quant import QuantizedKVCache
 from pagellm.attention.layer import select_backend
 from pagellm.attention.torch_backend import paged_attention
 from pagellm.model.decoder import CausalLM, DecoderAttention, DecoderLayer
@@ -102,9 +102,6 @@ class CpuDecodePlan:
         self.workspace = torch.zeros(quant_matmul.workspace_floats(rows, widest) + 64)
         self.threads = 0
         self.norm_scratch = torch.zeros(0)
-        # the step's slot_mapping and write_index, which an 8-bit cache's store reads
-        self._slots: torch.Tensor | None = None
-        self._write_index: torch.Tensor | None = None
         self._plans: dict[int, tuple[list[Callable[[], object]], list[PreparedCall]]] = {}
 
     @staticmethod
@@ -168,25 +165,26 @@ class CpuDecodePlan:
         workspace = cpu_kernel.decode_workspace(rows, self.num_heads, self.head_dim,
                                                 decode.max_seq_len)
         slots = metadata.slot_mapping.contiguous()
-        self._slots, self._write_index = slots, metadata.write_index
-        for call, stores in attention:  # an 8-bit cache's attention reads the stored K/V
+        for call, store in attention:  # an 8-bit cache: its store, then attention
+            if store is not None:
+                store.args.slots = slots.data_ptr()
             cpu_kernel.set_step(call, pairs, decode.seq_lens, decode.max_seq_len,
-                                slots if stores else None, workspace)
+                                None if store is not None else slots, workspace)
         for call in calls:
             call()
         return self.final[:rows]
 
     def _plan(self, rows: int) -> tuple[list[Callable[[], object]],
-                                        list[tuple[PreparedCall, bool]]]:
+                                        list[tuple[PreparedCall, PreparedCall | None]]]:
         plan = self._plans.get(rows)
         if plan is None:
             plan = self._plans[rows] = self._build(rows)
         return plan
 
     def _build(self, rows: int) -> tuple[list[Callable[[], object]],
-                                         list[tuple[PreparedCall, bool]]]:
+                                         list[tuple[PreparedCall, PreparedCall | None]]]:
         """The step's calls for ``rows`` sequences, and the attention calls among them (with
-        whether the call stores the step's K/V itself)."""
+        an 8-bit cache's store call, else None: the attention stores the step's K/V)."""
         decoder = self.model.model
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         residual, normed, qkv = self.residual[:rows], self.normed[:rows], self.qkv[:rows]
@@ -195,7 +193,7 @@ class CpuDecodePlan:
         key, value = view[:, H:H + KVH], view[:, H + KVH:]
         attn_out = self.attn_out[:rows]
         calls: list[Callable[[], object]] = []
-        attention: list[tuple[PreparedCall, bool]] = []
+        attention: list[tuple[PreparedCall, PreparedCall | None]] = []
         for index, (layer, cache) in enumerate(zip(decoder.layers, self.kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             norm = layer.input_layernorm
@@ -216,16 +214,17 @@ class CpuDecodePlan:
             if rows > 1:  # the queries gathered, as the layer's query.contiguous()
                 calls.append(lambda dst=query, src=view[:, :H]: dst.copy_(src))
             out = attn_out.view(rows, H, D)
+            store = None
             if isinstance(cache, QuantizedKVCache):
-                calls.append(lambda key=key, value=value, cache=cache: write_to_kv_cache(
-                    key, value, cache, self._slots, self._write_index))
+                store = cpu_kernel.prepared_store_quantized(key, value, cache)
+                calls.append(store)
                 call = cpu_kernel.prepared_decode_attention_quantized(
                     query, cache, out, attn.attn.scale, attn.attn.sliding_window)
             else:
                 call = cpu_kernel.prepared_decode_attention(
                     query, *cache, out, key, value, attn.attn.scale, attn.attn.sliding_window)
             calls.append(call)
-            attention.append((call, not isinstance(cache, QuantizedKVCache)))
+            attention.append((call, store))
             calls += _projection(attn.o_proj, attn_out, self.o_out[:rows], self.workspace)
             post = layer.post_attention_layernorm
             calls.append(cpu_ops.prepared_rms_norm(self.o_out[:rows], residual, post.weight,
