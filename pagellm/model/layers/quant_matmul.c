@@ -267,22 +267,25 @@ INLINE void int4_group(const uint8_t *q, const float *x, int64_t xs, int64_t k0,
   }
 }
 
-/* One output column n for T rows: int4, 32 columns per 16-byte load. Per group g,
- *   sum_k w[k] x[k] = scale * sum_k q[k] x[k] + (zero - 8 scale) * sum_k x[k],
- * the first sum over codes widened to float in registers (int4_group), the second from the
- * rows' group sums (zero_terms); the groups by EACH_GROUP. gs: the group size, a constant 32
- * where the caller knows it (the loops then unroll), else a->group_size. */
-INLINE void int4_column_gs(const qmm_args *a, const float *x, int64_t xs, const float *xw,
-                           int64_t m0, int T, int64_t n, int64_t gs) {
-  const int64_t K = a->in_features, groups = K / gs;
-  const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
-#define INT4_SCALE(g) (n * groups + (g)) * 2
+/* One output column n for T rows of a format with zeros: int4, 32 columns per 16-byte load
+ * (int8_zero: 8 per load, int8_group). Per group g,
+ *   sum_k w[k] x[k] = scale * sum_k q[k] x[k] + (zero + offset * scale) * sum_k x[k],
+ * the first sum over codes widened to float in registers (GROUP), the second from the rows'
+ * group sums (zero_terms); the groups by EACH_GROUP. gs: the group size, a constant where the
+ * caller knows it (the loops then unroll), else a->group_size. */
+#define PAIR_SCALE(g) (n * groups + (g)) * 2
 #define INT4_GROUP(g, scale, acc) int4_group(q, x, xs, (g) * gs, gs, scale, T, acc)
-  EACH_GROUP(groups, INT4_SCALE, INT4_GROUP)
-  float zsum[TILE_ROWS];
-  zero_terms(a, xw, groups, n, T, zsum);
-  for (int r = 0; r < T; r++) store(a, m0 + r, n, sum_rows(r) + zsum[r]);
-}
+#define DEFINE_COLUMN_WITH_ZEROS(NAME, CODE_T, ROW_BYTES, GROUP)                          \
+  INLINE void NAME(const qmm_args *a, const float *x, int64_t xs, const float *xw,        \
+                   int64_t m0, int T, int64_t n, int64_t gs) {                            \
+    const int64_t K = a->in_features, groups = K / gs;                                    \
+    const CODE_T *q = (const CODE_T *)a->codes + n * (ROW_BYTES);                         \
+    EACH_GROUP(groups, PAIR_SCALE, GROUP)                                                 \
+    float zsum[TILE_ROWS];                                                                \
+    zero_terms(a, xw, groups, n, T, zsum);                                                \
+    for (int r = 0; r < T; r++) store(a, m0 + r, n, sum_rows(r) + zsum[r]);              \
+  }
+DEFINE_COLUMN_WITH_ZEROS(int4_column_gs, uint8_t, K / 2, INT4_GROUP)
 
 INLINE void int4_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
                         int64_t m0, int T, int64_t n) {
@@ -341,17 +344,7 @@ INLINE void int8_column(const qmm_args *a, const float *x, int64_t xs, const flo
     int8_column_gs(a, x, xs, m0, T, n, a->group_size);
 }
 
-/* One output column n for T rows: int8_zero, the int8 loops on (scale, zero) pairs plus
- * zero times each group's sum of x (zero_terms, offset 0). */
-INLINE void int8_zero_column_gs(const qmm_args *a, const float *x, int64_t xs, const float *xw,
-                                int64_t m0, int T, int64_t n, int64_t gs) {
-  const int64_t K = a->in_features, groups = K / gs;
-  const int8_t *q = (const int8_t *)a->codes + n * K;
-  EACH_GROUP(groups, INT4_SCALE, INT8_GROUP)
-  float zsum[TILE_ROWS];
-  zero_terms(a, xw, groups, n, T, zsum);
-  for (int r = 0; r < T; r++) store(a, m0 + r, n, sum_rows(r) + zsum[r]);
-}
+DEFINE_COLUMN_WITH_ZEROS(int8_zero_column_gs, int8_t, K, INT8_GROUP)
 
 INLINE void int8_zero_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
                              int64_t m0, int T, int64_t n) {
@@ -548,7 +541,7 @@ INLINE void int4_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T,
   const int8_t *xq = x->q + m0 * K;
   const float *xd = x->d + m0 * (K / 32);
 #define A8_GROUP(g, scale, acc) int4_a8_group(q, xq, xd, K, (g) * bpg, bpg, scale, T, acc)
-  EACH_GROUP(groups, INT4_SCALE, A8_GROUP)
+  EACH_GROUP(groups, PAIR_SCALE, A8_GROUP)
   float zsum[TILE_ROWS];
   zero_terms(a, x->pairs + m0 * 2 * groups, groups, n, T, zsum);
   for (int r = 0; r < T; r++) store(a, m0 + r, n, sum_rows(r) + zsum[r]);
