@@ -384,43 +384,32 @@ static inline void int4_wide(const qmm_args *a, const float *x, int64_t xs, int6
   for (int r = 0; r < WIDE_ROWS; r++) store(a, m0 + r, n, hsum8(acc[r]));
 }
 
+/* int8 (zeros 0) and int8_zero (zeros 1: (scale, zero) pairs, w = q * scale + zero). */
+INLINE void int8_wide_rows(const qmm_args *a, const float *x, int64_t xs, int64_t m0, int64_t n,
+                           const int zeros) {
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
+  const int8_t *q = (const int8_t *)a->codes + n * K;
+  __m256 acc[WIDE_ROWS];
+  for (int r = 0; r < WIDE_ROWS; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t i = zeros ? (n * groups + g) * 2 : n * groups + g;
+    const __m256 scale = _mm256_set1_ps(param(a->params, i, a->params_bf16));
+    const __m256 zero = zeros ? _mm256_set1_ps(param(a->params, i + 1, a->params_bf16))
+                              : _mm256_setzero_ps();
+    for (int64_t k = g * gs; k < (g + 1) * gs; k += 8) {
+      const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + k));
+      const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+      const __m256 w = zeros ? _mm256_fmadd_ps(codes, scale, zero) : _mm256_mul_ps(codes, scale);
+      for (int r = 0; r < WIDE_ROWS; r++)
+        acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k), acc[r]);
+    }
+  }
+  for (int r = 0; r < WIDE_ROWS; r++) store(a, m0 + r, n, hsum8(acc[r]));
+}
 static inline void int8_wide(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
-                             int64_t n) {
-  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
-  const int8_t *q = (const int8_t *)a->codes + n * K;
-  __m256 acc[WIDE_ROWS];
-  for (int r = 0; r < WIDE_ROWS; r++) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; g++) {
-    const __m256 scale = _mm256_set1_ps(param(a->params, n * groups + g, a->params_bf16));
-    for (int64_t k = g * gs; k < (g + 1) * gs; k += 8) {
-      const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + k));
-      const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), scale);
-      for (int r = 0; r < WIDE_ROWS; r++)
-        acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k), acc[r]);
-    }
-  }
-  for (int r = 0; r < WIDE_ROWS; r++) store(a, m0 + r, n, hsum8(acc[r]));
-}
-
+                             int64_t n) { int8_wide_rows(a, x, xs, m0, n, 0); }
 static inline void int8_zero_wide(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
-                                  int64_t n) {
-  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
-  const int8_t *q = (const int8_t *)a->codes + n * K;
-  __m256 acc[WIDE_ROWS];
-  for (int r = 0; r < WIDE_ROWS; r++) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; g++) {
-    const __m256 scale = _mm256_set1_ps(param(a->params, (n * groups + g) * 2, a->params_bf16));
-    const __m256 zero = _mm256_set1_ps(param(a->params, (n * groups + g) * 2 + 1,
-                                             a->params_bf16));
-    for (int64_t k = g * gs; k < (g + 1) * gs; k += 8) {
-      const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + k));
-      const __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), scale, zero);
-      for (int r = 0; r < WIDE_ROWS; r++)
-        acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k), acc[r]);
-    }
-  }
-  for (int r = 0; r < WIDE_ROWS; r++) store(a, m0 + r, n, hsum8(acc[r]));
-}
+                                  int64_t n) { int8_wide_rows(a, x, xs, m0, n, 1); }
 
 /* bfloat16 weights (codes [N, K] bfloat16, no parameters): each widened exactly by a shift.
  * The float32 sums of x times the weights, as the int8 loops without scales. */
@@ -581,36 +570,33 @@ static inline void int4_column(const qmm_args *a, const float *x, int64_t xs, co
   store_lanes(a, acc, m0, T, n);
 }
 
-static inline void int8_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
-                               int64_t m0, int T, int64_t n) {
-  (void)xw;
+/* int8 (zeros 0) and int8_zero (zeros 1), each weight dequantized per tile. */
+INLINE void int8_rows(const qmm_args *a, const float *x, int64_t xs, int64_t m0, int T,
+                      int64_t n, const int zeros) {
   const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
   const int8_t *q = (const int8_t *)a->codes + n * K;
   float acc[TILE_ROWS][8] = {{0}};
   for (int64_t g = 0; g < groups; g++) {
-    const float scale = param(a->params, n * groups + g, a->params_bf16);
-    for (int64_t k = g * gs; k < (g + 1) * gs; k += 8)
-      for (int r = 0; r < T; r++)
-        for (int j = 0; j < 8; j++) acc[r][j] += (float)q[k + j] * scale * x[r * xs + k + j];
-  }
-  store_lanes(a, acc, m0, T, n);
-}
-
-static inline void int8_zero_column(const qmm_args *a, const float *x, int64_t xs,
-                                    const float *xw, int64_t m0, int T, int64_t n) {
-  (void)xw;
-  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs;
-  const int8_t *q = (const int8_t *)a->codes + n * K;
-  float acc[TILE_ROWS][8] = {{0}};
-  for (int64_t g = 0; g < groups; g++) {
-    const float scale = param(a->params, (n * groups + g) * 2, a->params_bf16);
-    const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_bf16);
+    const int64_t i = zeros ? (n * groups + g) * 2 : n * groups + g;
+    const float scale = param(a->params, i, a->params_bf16);
+    const float zero = zeros ? param(a->params, i + 1, a->params_bf16) : 0.0f;
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 8)
       for (int r = 0; r < T; r++)
         for (int j = 0; j < 8; j++)
-          acc[r][j] += ((float)q[k + j] * scale + zero) * x[r * xs + k + j];
+          acc[r][j] += (zeros ? (float)q[k + j] * scale + zero : (float)q[k + j] * scale)
+                       * x[r * xs + k + j];
   }
   store_lanes(a, acc, m0, T, n);
+}
+static inline void int8_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
+                               int64_t m0, int T, int64_t n) {
+  (void)xw;
+  int8_rows(a, x, xs, m0, T, n, 0);
+}
+static inline void int8_zero_column(const qmm_args *a, const float *x, int64_t xs,
+                                    const float *xw, int64_t m0, int T, int64_t n) {
+  (void)xw;
+  int8_rows(a, x, xs, m0, T, n, 1);
 }
 
 static inline void bf16_column(const qmm_args *a, const float *x, int64_t xs, const float *xw,
