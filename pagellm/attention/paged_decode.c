@@ -1113,12 +1113,14 @@ int paged_decode_features(void) {
 /* ---- the 8-bit caches' store ----------------------------------------------------------- */
 
 /* float32 -> fp8 code, round to nearest even with torch's (c10's) bit operations, so that the
-   store writes the bytes kv_quant.quantize writes (the caller clamps to the format's range). */
-INLINE uint8_t fp8_code(float f, int e5m2) {
+   store writes the bytes kv_quant.quantize writes (the caller clamps to the format's range).
+   ``sign``: the sign bit to set (0x80000000 or 0), taken by the caller from the unscaled
+   value's bits, which -fno-signed-zeros leaves alone (a zero's sign after the division and
+   the clamp is the compiler's choice). */
+INLINE uint8_t fp8_code(float f, uint32_t sign, int e5m2) {
   union { uint32_t u; float f; } c, d;
   c.f = f;
-  const uint32_t sign = c.u & 0x80000000u;
-  uint32_t bits = c.u ^ sign;
+  uint32_t bits = c.u & 0x7fffffffu;
   const uint32_t max_bits = e5m2 ? 143u << 23 : 1087u << 20; /* beyond: inf / NaN codes */
   const uint32_t denorm = e5m2 ? 134u << 23 : 141u << 23;
   const uint32_t min_normal = e5m2 ? 113u << 23 : 121u << 23;
@@ -1178,8 +1180,9 @@ void paged_store_q8(const store_args* a) {
         for (int64_t d = 0; d < D; d++) {
           float y = x[d] / scale;
           y = y < -qmax ? -qmax : y > qmax ? qmax : y;
+          union { float f; uint32_t u; } in = {x[d]};
           out[d] = a->format == 0 ? (uint8_t)(int8_t)__builtin_nearbyintf(y)
-                                  : fp8_code(y, a->format == 2);
+                                  : fp8_code(y, in.u & 0x80000000u, a->format == 2);
         }
         memcpy(out + D, &scale_bits, 2);
       }
