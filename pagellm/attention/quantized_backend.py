@@ -9,8 +9,11 @@ CPU kernel runs, else kv_quant.write_to_kv_cache.
 
 - Decodes: the compiled CPU kernel (cpu_kernel.paged_decode_attention_quantized) where it
   runs; else ``chunked_attention`` over the batch.
-- Prefills: ``chunked_attention`` per sequence (the loop over prefills, as in the torch
-  backend).
+- Prefills: per sequence (the loop over prefills, as in the torch backend). A prompt with
+  nothing cached attends over its own rows as the cache now holds them (read back and
+  dequantized to float32) with one float32 ``scaled_dot_product_attention``, causal, as the
+  torch backend's fresh prompts do; a chunk or a prompt after a prefix hit, whose context
+  lies in earlier blocks, runs ``chunked_attention``.
 
 ``chunked_attention`` walks a context ``chunk_blocks`` blocks at a time with an online
 softmax (FlashAttention's running max and sum), dequantizing only the chunk it reads: the
@@ -21,6 +24,7 @@ dtype.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pagellm.attention import cpu_kernel
 from pagellm.attention.kv_quant import QuantizedKVCache, dequantize, write_to_kv_cache
@@ -95,17 +99,35 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         prefill, start = metadata.prefill, 0
         for i, (query_len, context_len) in enumerate(zip(prefill.query_lens,
                                                          prefill.context_lens)):
-            seq_len = context_len + query_len
-            table = prefill.block_tables[i:i + 1, :-(-seq_len // prefill.block_size)]
-            positions = torch.arange(context_len, seq_len, device=query.device)[None]
-            out[start:start + query_len] = chunked_attention(
-                query[None, start:start + query_len], cache, table, positions, scale,
-                sliding_window)[0]
-            start += query_len
+            end, seq_len = start + query_len, context_len + query_len
+            if context_len == 0:
+                out[start:end] = _fresh_prompt(query[start:end], cache,
+                                               metadata.slot_mapping[start:end], scale,
+                                               prefill.mask(i, sliding_window))
+            else:
+                table = prefill.block_tables[i:i + 1, :-(-seq_len // prefill.block_size)]
+                positions = torch.arange(context_len, seq_len, device=query.device)[None]
+                out[start:end] = chunked_attention(query[None, start:end], cache, table,
+                                                   positions, scale, sliding_window)[0]
+            start = end
     if metadata.decode is not None:
         out[num_prefill_tokens:] = decode_attention(query[num_prefill_tokens:], cache,
                                                     metadata, scale, sliding_window)
     return out
+
+
+def _fresh_prompt(query: torch.Tensor, cache: QuantizedKVCache, slots: torch.Tensor,
+                  scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """query [n, H, D] of a prompt with nothing cached, whose K/V were just stored at
+    ``slots``: attention over those rows as the cache holds them, in float32 (one
+    scaled_dot_product_attention; ``mask`` None: causal) -> [n, H, D] in query's dtype."""
+    key = dequantize(cache.key.flatten(0, 1)[slots], cache.format)  # [n, KVH, D] float32
+    value = dequantize(cache.value.flatten(0, 1)[slots], cache.format)
+    out = F.scaled_dot_product_attention(
+        query.float().transpose(0, 1)[None], key.transpose(0, 1)[None],
+        value.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=True)  # [1, H, n, D]
+    return out[0].transpose(0, 1).to(query.dtype)
 
 
 def decode_attention(query: torch.Tensor, cache: QuantizedKVCache, metadata: AttentionMetadata,
