@@ -246,7 +246,7 @@ def store_quantized(key: torch.Tensor, value: torch.Tensor, cache: QuantizedKVCa
     key, value = _rows(key), _rows(value)
     if key.stride(0) != value.stride(0):
         key, value = key.contiguous(), value.contiguous()
-    slots = slots.contiguous()
+    slots = slots.to(torch.int64).contiguous()  # the C side reads int64
     call = _store_call(key, value, cache)
     call.args.slots = slots.data_ptr()
     call()
