@@ -102,7 +102,9 @@ class CpuDecodePlan:
         self.workspace = torch.zeros(quant_matmul.workspace_floats(rows, widest) + 64)
         self.threads = 0
         self.norm_scratch = torch.zeros(0)
-        self._plans: dict[int, tuple[list[Callable[[], object]], list[PreparedCall]]] = {}
+        # rows -> (the step's calls, its attention calls with an 8-bit cache's store or None)
+        self._plans: dict[int, tuple[list[Callable[[], object]],
+                                     list[tuple[PreparedCall, PreparedCall | None]]]] = {}
 
     @staticmethod
     def supports(model: CausalLM, kv_caches: list) -> str | None:

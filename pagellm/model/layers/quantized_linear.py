@@ -49,10 +49,11 @@ class Int8Weight(nn.Module):
     the activation dtype (GGUF groups: float32).
 
     ``zero`` [N, K / group_size] (group-wise only): W = q * scale + zero. The scales and zeros
-    are then held together as ``scale_and_zero`` [N, K / group_size, 2] (``scale`` and
-    ``zero`` are views of it), the layout of the compiled "int8_zero" product; torch has no
-    kernel for it (nor for symmetric groups), so without the compiled kernels forward
-    multiplies the dequantized weight."""
+    are then held together, [N, K / group_size, 2], the layout of the compiled "int8_zero"
+    product; torch has no kernel for it (nor for symmetric groups), so without the compiled
+    kernels forward multiplies the dequantized weight. ``params`` is the one buffer of
+    either (what the kernel reads); ``scale`` and ``zero`` (None: symmetric) are read from
+    it."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor,
                  group_size: int | None = None, zero: torch.Tensor | None = None) -> None:
@@ -71,19 +72,25 @@ class Int8Weight(nn.Module):
                              f"group-wise scales of the same shape, got scales of shape "
                              f"{tuple(scale.shape)}")
         self.register_buffer("q", q.contiguous())
-        if zero is None:
-            self.register_buffer("scale", scale.contiguous())
-            self.zero, params, kind = None, self.scale, "int8"
-        else:
-            self.register_buffer("scale_and_zero", torch.stack([scale, zero.to(scale.dtype)],
-                                                               -1).contiguous())
-            self.scale, self.zero = self.scale_and_zero[..., 0], self.scale_and_zero[..., 1]
-            params, kind = self.scale_and_zero, "int8_zero"
+        self.register_buffer("params", (scale if zero is None else torch.stack(
+            [scale, zero.to(scale.dtype)], -1)).contiguous())
+        self.has_zeros = zero is not None
         # torch's kernel takes one scale per row; ours run group-wise scales wherever built
         self.compiled = quant_matmul.preferred() or (
             scale.dim() == 2 and quant_matmul.available())
         # the compiled product (QuantizedMatmul), which forward runs where ``compiled``
-        self.kernel = quant_matmul.QuantizedMatmul(kind, self.q, params, self.group_size)
+        self.kernel = quant_matmul.QuantizedMatmul("int8_zero" if self.has_zeros else "int8",
+                                                    self.q, self.params, self.group_size)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """[N] or [N, K / group_size]."""
+        return self.params[..., 0] if self.has_zeros else self.params
+
+    @property
+    def zero(self) -> torch.Tensor | None:
+        """[N, K / group_size], or None (symmetric codes)."""
+        return self.params[..., 1] if self.has_zeros else None
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, dtype: torch.dtype | None = None) -> Int8Weight:
