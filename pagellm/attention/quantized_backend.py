@@ -9,11 +9,12 @@ CPU kernel runs, else kv_quant.write_to_kv_cache.
 
 - Decodes: the compiled CPU kernel (cpu_kernel.paged_decode_attention_quantized) where it
   runs; else ``chunked_attention`` over the batch.
-- Prefills: per sequence (the loop over prefills, as in the torch backend). A prompt with
-  nothing cached attends over its own rows as the cache now holds them (read back and
-  dequantized to float32) with one float32 ``scaled_dot_product_attention``, causal, as the
-  torch backend's fresh prompts do; a chunk or a prompt after a prefix hit, whose context
-  lies in earlier blocks, runs ``chunked_attention``.
+- Prefills: per sequence (the loop over prefills, as in the torch backend). On the CPU a
+  prompt attends over its own rows as the cache now holds them (read back and dequantized
+  to float32) with one causal float32 flash-attention call, and over its cached context
+  (a chunk's earlier chunks, a prefix hit) ``CHUNK_BLOCKS`` blocks at a time with one call
+  each, the partial results merged by their log-sum-exp (``_prefill``). Elsewhere prefills
+  run ``chunked_attention``.
 
 ``chunked_attention`` walks a context ``chunk_blocks`` blocks at a time with an online
 softmax (FlashAttention's running max and sum), dequantizing only the chunk it reads: the
@@ -24,7 +25,6 @@ dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagellm.attention import cpu_kernel
 from pagellm.attention.kv_quant import QuantizedKVCache, dequantize, write_to_kv_cache
@@ -100,10 +100,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         for i, (query_len, context_len) in enumerate(zip(prefill.query_lens,
                                                          prefill.context_lens)):
             end, seq_len = start + query_len, context_len + query_len
-            if context_len == 0:
-                out[start:end] = _fresh_prompt(query[start:end], cache,
-                                               metadata.slot_mapping[start:end], scale,
-                                               prefill.mask(i, sliding_window))
+            if _flash_prefill(query):
+                mask = None if sliding_window is None else prefill.mask(i, sliding_window)
+                table = prefill.block_tables[i, :-(-context_len // prefill.block_size)]
+                out[start:end] = _prefill(query[start:end], cache, table,
+                                          metadata.slot_mapping[start:end], context_len, scale,
+                                          mask)
             else:
                 table = prefill.block_tables[i:i + 1, :-(-seq_len // prefill.block_size)]
                 positions = torch.arange(context_len, seq_len, device=query.device)[None]
@@ -116,17 +118,66 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-def _fresh_prompt(query: torch.Tensor, cache: QuantizedKVCache, slots: torch.Tensor,
-                  scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    """query [n, H, D] of a prompt with nothing cached, whose K/V were just stored at
-    ``slots``: attention over those rows as the cache holds them, in float32 (one
-    scaled_dot_product_attention; ``mask`` None: causal) -> [n, H, D] in query's dtype."""
-    key = dequantize(cache.key.flatten(0, 1)[slots], cache.format)  # [n, KVH, D] float32
-    value = dequantize(cache.value.flatten(0, 1)[slots], cache.format)
-    out = F.scaled_dot_product_attention(
-        query.float().transpose(0, 1)[None], key.transpose(0, 1)[None],
-        value.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None, scale=scale,
-        enable_gqa=True)  # [1, H, n, D]
+def _flash_prefill(query: torch.Tensor) -> bool:
+    """Whether prefills attend with the CPU flash-attention op (which returns the
+    log-sum-exp that merging chunks needs), rather than ``chunked_attention``."""
+    return query.device.type == "cpu"
+
+
+def _prefill(query: torch.Tensor, cache: QuantizedKVCache, table: torch.Tensor,
+             slots: torch.Tensor, context_len: int, scale: float,
+             mask: torch.Tensor | None) -> torch.Tensor:
+    """query [n, H, D] of one sequence at positions [context_len, context_len + n), whose
+    own K/V were just stored at ``slots`` and whose cached context lies in the blocks
+    ``table`` [ceil(context_len / block_size)] -> [n, H, D] in query's dtype.
+
+    ``mask`` is prefill.mask's [n, context_len + n] (True = attend) under a sliding window,
+    else None: plain causal. The query attends over its own rows (causal) and then over the
+    context ``CHUNK_BLOCKS`` blocks at a time, each a float32 flash-attention call over rows
+    dequantized from the cache; the partial results merge by their log-sum-exp, so only one
+    chunk is ever dequantized. Every query sees at least its own key, so the merged
+    log-sum-exp stays finite."""
+    fmt = cache.format
+    # [1, H, n, D], each row contiguous: the flash op reads rows as such (the query may be
+    # any view, e.g. token-major columns of a product's output)
+    q = query.transpose(0, 1).float().contiguous()[None]
+
+    def attend(key_rows, value_rows, visible, causal=False):
+        """key/value_rows [keys, KVH, D] float32; visible [n, keys] bool, or None: all keys
+        (or causal ones) -> out [1, H, n, D], log-sum-exp [1, H, n]."""
+        bias = None
+        if visible is not None:
+            bias = torch.zeros(visible.shape, device=query.device).masked_fill_(
+                ~visible, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, key_rows.transpose(0, 1)[None], value_rows.transpose(0, 1)[None], 0.0,
+            causal, attn_mask=bias, scale=scale)
+        if visible is not None:  # a row with no visible key: weight 0 in the merge
+            blind = ~visible.any(-1)
+            out = out.masked_fill(blind[:, None], 0.0)
+            lse = lse.masked_fill(blind, float("-inf"))
+        return out, lse
+
+    own_visible = None if mask is None else mask[:, context_len:]
+    out, lse = attend(dequantize(cache.key.flatten(0, 1)[slots], fmt),
+                      dequantize(cache.value.flatten(0, 1)[slots], fmt), own_visible,
+                      causal=own_visible is None)
+    block_size = cache.key.shape[1]
+    chunk = CHUNK_BLOCKS * block_size
+    for first in range(0, context_len, chunk):
+        last = min(first + chunk, context_len)
+        visible = None if mask is None else mask[:, first:last]
+        if visible is not None and not visible.any():
+            continue  # the whole chunk lies outside every query's window
+        blocks = table[first // block_size:-(-last // block_size)]
+        key = dequantize(cache.key.index_select(0, blocks), fmt).flatten(0, 1)[:last - first]
+        value = dequantize(cache.value.index_select(0, blocks), fmt).flatten(0, 1)[
+            :last - first]
+        part, part_lse = attend(key, value, visible)
+        total = torch.logaddexp(lse, part_lse)
+        out = (out * torch.exp(lse - total)[..., None]
+               + part * torch.exp(part_lse - total)[..., None])
+        lse = total
     return out[0].transpose(0, 1).to(query.dtype)
 
 

@@ -76,9 +76,11 @@ def test_unknown_kv_cache_dtype_names_the_supported():
 
 @pytest.fixture(params=[*KERNEL_BUILDS, "torch"])
 def decode_path(request, monkeypatch):
-    """Decodes through a build of the compiled CPU kernel, or the chunked torch path."""
+    """Decodes through a build of the compiled CPU kernel, or the chunked torch path (which
+    then takes the prefills too, in place of the flash-attention calls)."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernel, "supports", lambda query: False)
+        monkeypatch.setattr(quantized_backend, "_flash_prefill", lambda query: False)
     else:
         monkeypatch.setattr(cpu_kernel, "_KERNEL", kernel_build(request.param))
     return request.param
@@ -104,6 +106,24 @@ def test_mixed_step_matches_dequantized_reference(fmt_name, block_size, sliding_
     assert out.dtype == dtype and out.shape == q.shape
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.double(), expected.double(), **tol)
+
+
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+@pytest.mark.parametrize("sliding_window", [None, 10, 3])
+def test_prefill_over_context_chunks(fmt_name, sliding_window, decode_path, monkeypatch):
+    """A 30-token chunk after 40 cached tokens, context chunks of 8 keys: under a window,
+    chunks no query sees are skipped, and the late queries see nothing of a chunk the early
+    ones still see (their part must weigh nothing in the merge). The query is a view whose
+    tokens are its innermost dimension, as a product's output can be."""
+    monkeypatch.setattr(quantized_backend, "CHUNK_BLOCKS", 2)
+    batch = [(40, 30), (5, 12)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(batch, 4, torch.float32,
+                                                                fmt_name, seed=7)
+    q = q.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # [T, H, D], strides (1, D*T, T)
+    scale = q.shape[-1] ** -0.5
+    out = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, sliding_window)
+    expected = reference(q, cache, batch, seq_lens, tables, scale, sliding_window)
+    torch.testing.assert_close(out.double(), expected.double(), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
