@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/quantization.py quality --threads 1   # real GGUF model
     .venv/bin/python benchmarks/quantization.py attention --threads 1
+    .venv/bin/python benchmarks/quantization.py prefill-attention --threads 1
     .venv/bin/python benchmarks/quantization.py kv-memory --threads 1
     .venv/bin/python benchmarks/quantization.py weights --threads 1
 
@@ -15,9 +16,14 @@
   head_dim 64, block 16) at 64 x 512 and 128 x 512 per KV dtype: the compiled kernel
   (bfloat16 cache: its bfloat16 loops; 8-bit: the int8 / fp8 loops), the dtypes interleaved
   pass by pass, the fastest of --iters passes each, and its time over auto's.
-- ``kv-memory``: one KV byte budget, one workload (seed 0, prompts 32-256, outputs 64-192,
-  EOS ignored) on the "small" model per kv_cache_dtype: peak concurrent sequences (running,
-  per step) and output tokens/s.
+- ``prefill-attention``: one layer's prefill attention of the "small" model's shape, a fresh
+  256-token prompt and chunks after 256, 768 and 1,024 cached tokens, per KV dtype (auto,
+  int8, fp8), with the 8-bit caches' ``chunked_attention`` beside their own path.
+- ``kv-memory``: one KV byte budget, one workload per seed (--seeds; prompts 32-256,
+  outputs 64-192, EOS ignored) on the "small" model per kv_cache_dtype: peak concurrent
+  sequences (running, per step), output tokens/s, and where the model time went (decode-only
+  steps: rows, plan-served steps, ms per row; steps with prefill tokens: tokens, tokens after
+  cached context, ms per row).
 - ``weights``: batch-1 greedy decode tokens/s with bfloat16, int8 and int4 weights (and int4
   with int8_activations, "int4_a8") on the "small" model and the real GGUF model (--new-tokens,
   default 48, after a 16-token prompt).
@@ -119,6 +125,62 @@ def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
     return runs
 
 
+PREFILL_SHAPES = ((0, 256), (256, 256), (768, 256), (1024, 64))  # (cached context, query)
+
+
+def prefill_attention(iters: int) -> list[dict]:
+    """One layer's prefill attention (the step's K/V stored, then attended) of one sequence
+    of the "small" model's shape (12 query / 4 KV heads, head_dim 64, block 16, bfloat16
+    queries), a prompt with nothing cached and chunks after cached context, per KV dtype:
+    the backend's own path (bfloat16: torch_backend.paged_attention; 8-bit:
+    quantized_backend.paged_attention) and, for 8-bit, ``chunked_attention`` (the path the
+    CPU took before, and other devices still take); the variants interleaved, the fastest of
+    ``iters`` passes."""
+    from pagellm.attention import quantized_backend, torch_backend
+
+    heads, kv_heads, head_dim, block = 12, 4, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    scale = head_dim ** -0.5
+    runs = []
+    for context, query_len in PREFILL_SHAPES:
+        seq_len = context + query_len
+        num_blocks = -(-seq_len // block) + 4
+        table = torch.randperm(num_blocks, generator=gen)[:-(-seq_len // block)].tolist()
+        metadata = AttentionMetadata.build([query_len], [seq_len], [table], block)
+        query = torch.randn(query_len, heads, head_dim, generator=gen).to(torch.bfloat16)
+        key = torch.randn(query_len, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+        value = torch.randn(query_len, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+        cached = torch.randn(2, num_blocks, block, kv_heads, head_dim, generator=gen)
+        variants = {}
+        for kv_dtype in ("auto", "int8", "fp8"):
+            fmt = kv_quant.kv_format(kv_dtype)
+            if fmt is None:
+                k_cache, v_cache = cached.to(torch.bfloat16)
+                variants["auto"] = lambda k_cache=k_cache, v_cache=v_cache: (
+                    torch_backend.paged_attention(query, key, value, k_cache, v_cache,
+                                                  metadata, scale))
+                continue
+            cache = kv_quant.QuantizedKVCache(kv_quant.quantize(cached[0], fmt),
+                                              kv_quant.quantize(cached[1], fmt), fmt)
+            variants[kv_dtype] = lambda cache=cache: quantized_backend.paged_attention(
+                query, key, value, cache, metadata, scale)
+            positions = torch.arange(context, seq_len)[None]
+            tables = metadata.prefill.block_tables[:, :len(table)]
+            variants[f"{kv_dtype}/chunked_attention"] = lambda cache=cache, tables=tables, \
+                positions=positions: quantized_backend.chunked_attention(
+                    query[None], cache, tables, positions, scale)
+        best = dict.fromkeys(variants, float("inf"))
+        for _ in range(iters + 1):
+            for name, run in variants.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - start)
+        runs.append({"context": context, "query": query_len,
+                     "ms": {name: round(t * 1e3, 2) for name, t in best.items()}})
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    return runs
+
+
 def kv_memory(model: str, budget: int, num_requests: int, seeds: list[int]) -> dict:
     """Per workload seed: each kv_cache_dtype's peak concurrency on the budget, and the ratio
     to auto's. Prompt lengths are drawn per seed, so each seed admits a different first set
@@ -138,6 +200,7 @@ def kv_memory(model: str, budget: int, num_requests: int, seeds: list[int]) -> d
                       kv_cache_memory_bytes=budget, max_model_len=512, max_num_seqs=256,
                       swap_space=0.0, preemption_mode="recompute")
             engine = llm.llm_engine
+            steps = _count_steps(engine)
             for i, (p, n) in enumerate(zip(prompts, output_lens)):
                 engine.add_request(str(i), {"prompt_token_ids": p},
                                    SamplingParams(max_tokens=n, temperature=0.0,
@@ -153,7 +216,7 @@ def kv_memory(model: str, budget: int, num_requests: int, seeds: list[int]) -> d
                 "fit_in_arrival_order": _fit_in_arrival_order(prompt_lens, blocks, engine),
                 "output_tokens_per_s": round(sum(output_lens) / elapsed, 1),
                 "num_preemptions": engine.get_stats().num_preemptions,
-                "elapsed_s": round(elapsed, 1)}
+                "elapsed_s": round(elapsed, 1), "steps": steps.report()}
             del llm, engine
         auto = report["auto"]["peak_concurrency"]
         for kv_dtype in ("fp8", "int8"):
@@ -165,6 +228,71 @@ def kv_memory(model: str, budget: int, num_requests: int, seeds: list[int]) -> d
             "runs": runs, "int8_concurrency_vs_auto": {
                 "per_seed": ratios, "mean": round(statistics.mean(ratios), 3),
                 "min": min(ratios), "max": max(ratios)}}
+
+
+class _StepCounts:
+    """Where a run's model time goes: decode-only steps (how many rows, how many the CPU
+    decode plan served) and steps with prefill tokens (how many, how many after cached
+    context: chunks, prefix hits)."""
+
+    def __init__(self) -> None:
+        self.decode_steps = self.decode_rows = self.plan_steps = 0
+        self.mixed_steps = self.mixed_decode_rows = 0
+        self.prefill_tokens = self.prefill_tokens_with_context = 0
+        self.decode_s = self.mixed_s = 0.0
+
+    def report(self) -> dict:
+        return {
+            "decode_only_steps": self.decode_steps, "plan_steps": self.plan_steps,
+            "decode_rows": self.decode_rows,
+            "mean_decode_rows": round(self.decode_rows / max(self.decode_steps, 1), 1),
+            "decode_only_s": round(self.decode_s, 1),
+            "decode_ms_per_row": round(1e3 * self.decode_s / max(self.decode_rows, 1), 2),
+            "prefill_steps": self.mixed_steps, "prefill_tokens": self.prefill_tokens,
+            "prefill_tokens_with_context": self.prefill_tokens_with_context,
+            "decode_rows_in_prefill_steps": self.mixed_decode_rows,
+            "prefill_steps_s": round(self.mixed_s, 1),
+            "prefill_steps_ms_per_row": round(
+                1e3 * self.mixed_s / max(self.prefill_tokens + self.mixed_decode_rows, 1), 2)}
+
+
+def _count_steps(engine) -> _StepCounts:
+    """Wraps the engine's worker (and its runner's decode plan) to count into a
+    _StepCounts."""
+    counts, worker = _StepCounts(), engine.worker
+    execute = worker.execute_model
+
+    def counted(plan):
+        start = time.perf_counter()
+        out = execute(plan)
+        elapsed = time.perf_counter() - start
+        prefills = [s for s in plan.scheduled if s.num_new_tokens > 1]
+        decodes = len(plan.scheduled) - len(prefills)
+        if prefills:
+            counts.mixed_steps += 1
+            counts.mixed_s += elapsed
+            counts.mixed_decode_rows += decodes
+            counts.prefill_tokens += sum(s.num_new_tokens for s in prefills)
+            counts.prefill_tokens_with_context += sum(
+                s.num_new_tokens for s in prefills if s.num_computed_tokens)
+        else:
+            counts.decode_steps += 1
+            counts.decode_s += elapsed
+            counts.decode_rows += decodes
+        return out
+
+    worker.execute_model = counted
+    plan = engine.runner.cpu_decode
+    if plan is not None:
+        run = plan.run
+
+        def counted_run(input_ids, metadata):
+            hidden = run(input_ids, metadata)
+            counts.plan_steps += hidden is not None
+            return hidden
+
+        plan.run = counted_run
+    return counts
 
 
 def _fit_in_arrival_order(prompt_lens: list[int], blocks: int, engine) -> int:
@@ -250,15 +378,15 @@ def matmul(rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=("quality", "attention", "kv-memory", "weights",
-                                         "matmul"))
+    parser.add_argument("mode", choices=("quality", "attention", "prefill-attention",
+                                         "kv-memory", "weights", "matmul"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", default=None, help="default: the real GGUF model "
                         "(quality), the 'small' random Llama (kv-memory)")
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--iters", type=int, default=5, help="timed rounds (attention, matmul)")
+    parser.add_argument("--iters", type=int, default=5, help="timed rounds (attention, prefill-attention, matmul)")
     parser.add_argument("--budget", type=int, default=48 << 20, help="KV bytes (kv-memory)")
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--seeds", default="0,1,2,3,4", help="workload seeds (kv-memory)")
@@ -269,6 +397,8 @@ def main() -> None:
                          args.group_size)
     elif args.mode == "attention":
         result = {"runs": [run for n in (64, 128) for run in attention(n, 512, args.iters)]}
+    elif args.mode == "prefill-attention":
+        result = {"runs": prefill_attention(args.iters)}
     elif args.mode == "kv-memory":
         result = kv_memory(args.model or resolve_model("small"), args.budget, args.requests,
                            [int(seed) for seed in args.seeds.split(",")])
