@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/quantization.py prefill-attention --threads 1
     .venv/bin/python benchmarks/quantization.py kv-memory --threads 1
     .venv/bin/python benchmarks/quantization.py weights --threads 1
+    .venv/bin/python benchmarks/quantization.py crossover --threads 2
 
 - ``quality``: the bfloat16 engine (model dtype KV cache, weights as loaded) generates greedy
   continuations of a few prompts; each variant (kv_cache_dtype int8 / fp8 / fp8_e5m2, weights
@@ -31,6 +32,9 @@
   1, 4, 8, 16 and 64 rows: pagellm's compiled int4 (with and without int8_activations) and
   int8 products beside torch's weight-only kernels and the engine's bfloat16 projection
   (packed for oneDNN, or its float32 route), interleaved, the fastest of --iters rounds.
+- ``crossover``: one decoder layer's projections (SmolLM2's and the "small" model's shapes),
+  bfloat16, int4 and int8 weights, at 8-64 rows through the compiled row kernels and through the
+  float32 GEMM on converted slices, each forced: where ``quant_matmul.GEMM_ROWS`` should be.
 """
 from __future__ import annotations
 
@@ -376,17 +380,65 @@ def matmul(rounds: int) -> dict:
     return {"quantized_matmul": quant_matmul.describe(), "runs": runs}
 
 
+# one decoder layer's projections (out_features, in_features): qkv, o, gate_up, down
+LAYER_SHAPES = {"smollm2": MATMUL_SHAPES[:4],
+                "small": ((1280, 768), (768, 768), (4096, 768), (768, 2048))}
+CROSSOVER_ROWS = (8, 16, 24, 28, 31, 32, 40, 48, 64)
+
+
+def crossover(rounds: int) -> dict:
+    """Where the compiled row kernels and the float32 GEMM on converted weight slices cross:
+    one layer's four projections (SmolLM2's and the "small" model's shapes), bfloat16,
+    int4/32 and per-channel int8 weights, at CROSSOVER_ROWS rows, each path forced (quant_matmul.GEMM_ROWS set
+    for the call); ms per layer, the fastest of ``rounds`` interleaved rounds."""
+    if not quant_matmul.available():
+        raise SystemExit(f"the compiled kernels are off here: {quant_matmul.describe()}")
+    gen, runs, default = torch.Generator().manual_seed(0), [], quant_matmul.GEMM_ROWS
+    for label, shapes in LAYER_SHAPES.items():
+        products = {"bfloat16": [], "int4": [], "int8": []}
+        for out_features, in_features in shapes:
+            weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+            products["bfloat16"].append(quant_matmul.QuantizedMatmul(
+                "bf16", weight.bfloat16(), weight.bfloat16(), in_features))
+            q4, scale, zero = int4_quantize(weight, 32, torch.bfloat16)
+            params = torch.stack([scale, zero], -1).to(torch.bfloat16).contiguous()
+            products["int4"].append(quant_matmul.QuantizedMatmul(
+                "int4", quant_matmul.pack_int4(q4), params, 32))
+            q8, scale8 = int8_quantize(weight, torch.bfloat16)
+            products["int8"].append(quant_matmul.QuantizedMatmul("int8", q8, scale8,
+                                                                 in_features))
+        for rows in CROSSOVER_ROWS:
+            xs = [torch.randn(rows, k, generator=gen).bfloat16() for _, k in shapes]
+            best = {f"{kind}/{path}": float("inf") for kind in products
+                    for path in ("kernel", "gemm")}
+            try:
+                for _ in range(rounds + 1):
+                    for name in best:
+                        kind, path = name.split("/")
+                        quant_matmul.GEMM_ROWS = 1 << 30 if path == "kernel" else 1
+                        start = time.perf_counter()
+                        for product, x in zip(products[kind], xs):
+                            product(x)
+                        best[name] = min(best[name], time.perf_counter() - start)
+            finally:
+                quant_matmul.GEMM_ROWS = default
+            runs.append({"shapes": label, "rows": rows,
+                         "ms_per_layer": {name: round(t * 1e3, 3) for name, t in best.items()}})
+            print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    return {"gemm_rows": default, "quantized_matmul": quant_matmul.describe(), "runs": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("quality", "attention", "prefill-attention",
-                                         "kv-memory", "weights", "matmul"))
+                                         "kv-memory", "weights", "matmul", "crossover"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", default=None, help="default: the real GGUF model "
                         "(quality), the 'small' random Llama (kv-memory)")
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--iters", type=int, default=5, help="timed rounds (attention, prefill-attention, matmul)")
+    parser.add_argument("--iters", type=int, default=5, help="timed rounds (attention, prefill-attention, matmul, crossover)")
     parser.add_argument("--budget", type=int, default=48 << 20, help="KV bytes (kv-memory)")
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--seeds", default="0,1,2,3,4", help="workload seeds (kv-memory)")
@@ -404,6 +456,8 @@ def main() -> None:
                            [int(seed) for seed in args.seeds.split(",")])
     elif args.mode == "matmul":
         result = matmul(args.iters)
+    elif args.mode == "crossover":
+        result = crossover(args.iters)
     else:
         result = weights({"small": resolve_model("small"), "smollm2-gguf": default_gguf()},
                          args.new_tokens, args.group_size)

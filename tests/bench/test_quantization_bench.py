@@ -1,5 +1,6 @@
-"""benchmarks/quantization.py: the prefill-attention mode's report, and the kv-memory mode's
-account of where each run's steps went, which must add up to the workload's tokens."""
+"""benchmarks/quantization.py: the prefill-attention and crossover modes' reports, and the
+kv-memory mode's account of where each run's steps went, which must add up to the workload's
+tokens."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from pagellm.bench.random_model import TINY_LLAMA, build_random_model
@@ -53,3 +55,19 @@ def test_kv_memory_steps_add_up_to_the_workload(tmp_path):
         decode_rows = steps["decode_rows"] + steps["decode_rows_in_prefill_steps"]
         assert decode_rows == sum(output_lens) - 6
         assert 0 <= steps["plan_steps"] <= steps["decode_only_steps"]
+
+
+def test_crossover_report():
+    from pagellm.model.layers import quant_matmul
+
+    if not quant_matmul.available():
+        pytest.skip("the compiled matmul kernels are off here")
+    report = run("crossover", "--iters", "1")
+    assert report["gemm_rows"] == quant_matmul.GEMM_ROWS
+    assert {(r["shapes"], r["rows"]) for r in report["runs"]} == {
+        (shapes, rows) for shapes in ("smollm2", "small") for rows in (8, 16, 24, 28, 31, 32, 40, 48, 64)}
+    for entry in report["runs"]:
+        assert set(entry["ms_per_layer"]) == {f"{kind}/{path}" for kind in
+                                              ("bfloat16", "int4", "int8")
+                                              for path in ("kernel", "gemm")}
+        assert all(ms > 0 for ms in entry["ms_per_layer"].values())

@@ -27,9 +27,11 @@ from pagellm import native
 _SOURCE = Path(__file__).with_name("quant_matmul.c")
 WHAT = "CPU quantized matmul"  # its name in native.status()
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
-# from here on: dequantized slices + float32 GEMM; the two crossed between 16 and 32 rows on
-# an AVX2 EPYC (benchmarks/quantization.py matmul, docs/BENCHMARKS.md)
-GEMM_ROWS = 24
+# from here on: dequantized slices + float32 GEMM. On an AVX2 EPYC the row kernels were
+# faster up to 31 rows for bfloat16, int4 and int8 weights with one and two threads, and the
+# GEMM from 32 rows with one thread (36-48 with two; benchmarks/quantization.py crossover,
+# docs/BENCHMARKS.md)
+GEMM_ROWS = 32
 _SLICE_FLOATS = 1 << 18  # ~1 MB of dequantized float32 weight per GEMM call
 # int8 activations: the integer kernel below this many rows; from there the float loops, which
 # widen each code once for a tile of 8 rows, were as fast on the AVX2 EPYC (at 8 rows: 34.7 ms
