@@ -256,10 +256,6 @@ def _capture_decode_graphs(args: EngineArgs, runner: ModelRunner, device: torch.
     if args.enable_lora:
         logger.info("CUDA graphs off: LoRA steps run eagerly")
         return
-    if args.kv_cache_dtype != "auto":
-        logger.info("CUDA graphs off: kv_cache_dtype=%s stores the step's K/V through torch "
-                    "ops sized by the step", args.kv_cache_dtype)
-        return
     if not runs_triton(device):
         logger.info("CUDA graphs off: attention does not run the Triton kernels "
                     "(triton missing or PAGELLM_ATTENTION_BACKEND=torch)")

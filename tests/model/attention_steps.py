@@ -46,3 +46,32 @@ def make_step(batch, block_size, dtype, num_heads=6, num_kv_heads=2, head_dim=16
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
     metadata = AttentionMetadata.build([q for _, q in batch], seq_lens, tables, block_size)
     return q, k, v, k_cache, v_cache, metadata, tables, seq_lens
+
+
+def store_rows(fmt, dtype):
+    """K/V rows [9, 3, 64] in ``dtype`` for an 8-bit store to write into caches of 40 slots,
+    and their slots (one -1, padding): rows over ten decades of magnitude, zero rows and
+    entries, -0.0, and rows whose largest entry is qmax (scale 1) holding every tie between
+    two neighbouring codes of ``fmt`` (round to nearest even); the random rows include ones
+    whose rounded bfloat16 scale puts their largest entry past qmax (clamped)."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, head_dim = 9, 3, 64
+    magnitude = 10 ** torch.empty(tokens, heads, 1).uniform_(-6, 4, generator=gen)
+    key = torch.randn(tokens, heads, head_dim, generator=gen) * magnitude
+    value = torch.randn(tokens, heads, head_dim, generator=gen) * magnitude
+    key[0, 0], value[1, 1, :5], key[2, 1, 3] = 0, 0, -0.0
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt.storage).float()
+    codes = codes[codes.isfinite() & (codes.abs() <= fmt.qmax)].unique()  # sorted
+    ties = ((codes[1:] + codes[:-1]) / 2)
+    ties = ties[(ties.to(dtype).float() == ties)]  # representable in the rows' dtype
+    for row, start in enumerate(range(0, len(ties), head_dim - 2)):
+        if row >= tokens:
+            break
+        chunk = ties[start:start + head_dim - 2]
+        key[row, 2] = 0
+        key[row, 2, :len(chunk)] = chunk
+        key[row, 2, -2:] = torch.tensor([fmt.qmax, -fmt.qmax])  # amax qmax: scale 1
+        value[row, 2] = key[row, 2] * 2  # scale 2: the same ties after the division
+    slots = torch.randperm(40, generator=gen)[:tokens]
+    slots[4] = -1
+    return key.to(dtype), value.to(dtype), slots

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from helpers import random_prompts  # noqa: E402
 
-from pagellm.attention import AttentionMetadata  # noqa: E402
+from pagellm.attention import AttentionMetadata, kv_quant  # noqa: E402
 from pagellm.model import load_model  # noqa: E402
 from pagellm.worker.cache_engine import CacheEngine  # noqa: E402
 from pagellm.worker.cuda_graphs import (MAX_CAPTURE_SIZE, DecodeBuffers,  # noqa: E402
@@ -63,20 +63,25 @@ def tiny_model(model_zoo):
     return load_model(path)
 
 
-def prefilled_runner(tiny_model, prompts, tables) -> ModelRunner:
+def prefilled_runner(tiny_model, prompts, tables, kv_format=None) -> ModelRunner:
     model, config = tiny_model
-    runner = ModelRunner(model, CacheEngine(config, 16, 0, 8, torch.float32, "cpu"), "cpu")
-    runner.cache_engine.device_cache[:, :, 0] = 7.0  # block 0: what padding rows read
+    runner = ModelRunner(model, CacheEngine(config, 16, 0, 8, torch.float32, "cpu", kv_format),
+                         "cpu")
+    runner.cache_engine.device_cache[:, :, 0] = 7  # block 0: what padding rows read
     runner.execute([ScheduledSeq(p, 0, len(p) - 1, t, False) for p, t in zip(prompts, tables)])
     return runner
 
 
-def test_padded_decode_matches_eager_and_padding_writes_nothing(tiny_model, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_padded_decode_matches_eager_and_padding_writes_nothing(tiny_model, kv_cache_dtype,
+                                                                monkeypatch):
+    """With an 8-bit cache too: its Triton store skips the padding rows in the kernel."""
     monkeypatch.setenv("PAGELLM_ATTENTION_BACKEND", "triton")
     prompts = random_prompts([12, 5, 17], seed=5)
     tables = [[3, 4], [6], [9, 10, 11]]
-    eager = prefilled_runner(tiny_model, prompts, tables)
-    padded = prefilled_runner(tiny_model, prompts, tables)
+    kv_format = kv_quant.kv_format(kv_cache_dtype)
+    eager = prefilled_runner(tiny_model, prompts, tables, kv_format)
+    padded = prefilled_runner(tiny_model, prompts, tables, kv_format)
     padded.decode_graphs = DecodeGraphRunner(padded.model, padded.cache_engine.kv_caches,
                                              [1, 2, 4], max_model_len=64, block_size=8,
                                              device="cpu")
@@ -92,8 +97,8 @@ def test_padded_decode_matches_eager_and_padding_writes_nothing(tiny_model, monk
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     # The same slots were written, and nothing else: block 0 and every free block unchanged.
     torch.testing.assert_close(padded.cache_engine.device_cache, eager.cache_engine.device_cache,
-                               atol=1e-5, rtol=0)
-    assert bool((padded.cache_engine.device_cache[:, :, 0] == 7.0).all())
+                               atol=1e-5 if kv_format is None else 0, rtol=0)
+    assert bool((padded.cache_engine.device_cache[:, :, 0] == 7).all())
     assert padded.decode_graphs.buffers.slot_mapping[3] == -1
 
 

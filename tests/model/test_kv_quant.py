@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_steps import MIXED_BATCH, make_step
+from attention_steps import MIXED_BATCH, make_step, store_rows
 from kernel_builds import KERNEL_BUILDS, kernel_build
 
 from pagellm.attention import cpu_kernel, kv_quant, quantized_backend
@@ -187,35 +187,13 @@ def test_cache_engine_moves_scales_with_their_blocks():
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
 def test_compiled_store_writes_the_quantizer_s_bytes(fmt_name, dtype):
     """cpu_kernel.store_quantized (the CPU paths' store) writes exactly kv_quant.quantize's
-    bytes at the slots, skipping padding (-1): rows over ten decades of magnitude, zero rows
-    and entries, -0.0, and rows whose largest entry is qmax (scale 1) holding every tie
-    between two neighbouring codes of the format (round to nearest even); the random rows
-    include ones whose rounded bfloat16 scale puts their largest entry past qmax
-    (clamped)."""
+    bytes at the slots, skipping padding (-1), on store_rows' rows (ten decades, zeros, -0.0,
+    every tie between neighbouring codes, clamped rows)."""
     if not cpu_kernel.available():
         pytest.skip("the compiled kernel is off here")
     fmt = FORMATS[fmt_name]
-    gen = torch.Generator().manual_seed(3)
-    tokens, heads, head_dim = 9, 3, 64
-    magnitude = 10 ** torch.empty(tokens, heads, 1).uniform_(-6, 4, generator=gen)
-    key = torch.randn(tokens, heads, head_dim, generator=gen) * magnitude
-    value = torch.randn(tokens, heads, head_dim, generator=gen) * magnitude
-    key[0, 0], value[1, 1, :5], key[2, 1, 3] = 0, 0, -0.0
-    codes = torch.arange(256, dtype=torch.uint8).view(fmt.storage).float()
-    codes = codes[codes.isfinite() & (codes.abs() <= fmt.qmax)].unique()  # sorted
-    ties = ((codes[1:] + codes[:-1]) / 2)
-    ties = ties[(ties.to(dtype).float() == ties)]  # representable in the rows' dtype
-    for row, start in enumerate(range(0, len(ties), head_dim - 2)):
-        if row >= tokens:
-            break
-        chunk = ties[start:start + head_dim - 2]
-        key[row, 2] = 0
-        key[row, 2, :len(chunk)] = chunk
-        key[row, 2, -2:] = torch.tensor([fmt.qmax, -fmt.qmax])  # amax qmax: scale 1
-        value[row, 2] = key[row, 2] * 2  # scale 2: the same ties after the division
-    key, value = key.to(dtype), value.to(dtype)
-    slots = torch.randperm(40, generator=gen)[:tokens]
-    slots[4] = -1
+    key, value, slots = store_rows(fmt, dtype)
+    heads, head_dim = key.shape[1:]
     caches = [QuantizedKVCache(torch.zeros(10, 4, heads, head_dim + 2, dtype=torch.uint8),
                                torch.zeros(10, 4, heads, head_dim + 2, dtype=torch.uint8), fmt)
               for _ in range(2)]

@@ -18,7 +18,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton_backend defines its kernel
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from helpers import assert_compiles  # noqa: E402
-from attention_steps import MIXED_BATCH, make_step  # noqa: E402
+from attention_steps import MIXED_BATCH, make_step, store_rows  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -180,7 +180,7 @@ def compile_kernel(fn, dtype, constexprs, num_warps, cache_dtype=None):
             signature[name] = ("*i64" if name in INDEX_POINTERS
                                else pointers.get(name, "*" + dtype))
         else:
-            signature[name] = "fp32" if name == "scale_log2" else "i32"
+            signature[name] = "fp32" if name in ("scale_log2", "qmax") else "i32"
         if name.endswith("_ptr") or name.startswith("stride") or name == "head_dim":
             attrs[(i,)] = [["tt.divisibility", 16]]  # as a launch specialises aligned values
     triton.compile(ASTSource(fn, signature, constexprs, attrs),
@@ -191,6 +191,9 @@ for torch_dtype, dtype in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
     common = dict(QUERIES_PER_KV=3, BLOCK_D=128, USE_WINDOW=True,
                   DOT_PRECISION=tb._dot_precision(torch_dtype), UPCAST_DOT=False, QUANT=0)
     compile_kernel(tb._write_kv_kernel, dtype, dict(BLOCK_H=4, BLOCK_D=128), 4)
+    for store_format in (0, 1, 2):  # the 8-bit store: int8, e4m3, e5m2 into uint8 rows
+        compile_kernel(tb._write_kv_quantized_kernel, dtype,
+                       dict(FORMAT=store_format, BLOCK_H=4, BLOCK_D=128), 4, "u8")
     compile_kernel(tb._prefill_kernel, dtype, dict(common, BLOCK_M=config.prefill_block_m,
                    BLOCK_N=config.prefill_block_n), config.prefill_warps)
     compile_kernel(tb._decode_kernel, dtype, dict(common, BLOCK_G=16,
@@ -270,3 +273,27 @@ def test_8bit_cache_matches_dequantized_reference(fmt_name, dtype, sliding_windo
     assert out.dtype == dtype
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.double(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_8bit_store_writes_the_quantizer_s_bytes(fmt_name, dtype):
+    """The Triton store of an 8-bit cache writes exactly kv_quant.quantize's bytes at the
+    slots, skipping padding (-1), on store_rows' rows (ten decades, zeros, -0.0, every tie
+    between neighbouring codes, clamped rows); a strided view of a fused projection's output
+    reads as its values."""
+    from pagellm.attention import kv_quant
+
+    fmt = kv_quant.FORMATS[fmt_name]
+    key, value, slots = store_rows(fmt, dtype)
+    heads, head_dim = key.shape[1:]
+    fused = torch.cat([key, value], dim=1)  # [tokens, 2 * heads, D]: key and value are views
+    key, value = fused[:, :heads], fused[:, heads:]
+    caches = [kv_quant.QuantizedKVCache(
+        torch.zeros(10, 4, heads, head_dim + 2, dtype=torch.uint8),
+        torch.zeros(10, 4, heads, head_dim + 2, dtype=torch.uint8), fmt) for _ in range(2)]
+    kv_quant.write_to_kv_cache(key, value, caches[0], slots, torch.nonzero(slots >= 0)[:, 0])
+    triton_backend.write_to_kv_cache_quantized(key, value, caches[1], slots)
+    assert torch.equal(caches[0].key, caches[1].key)
+    assert torch.equal(caches[0].value, caches[1].value)
+    assert caches[1].key.flatten(0, 1)[slots[slots >= 0]].any()
