@@ -54,24 +54,27 @@ def test_compiled_kernels_match_the_reference(triton_backend, dtype, sliding_win
     torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tol, rtol=tol)
 
 
-def _generate(path, enforce_eager: bool, prompts: list[list[int]]):
+def _generate(path, enforce_eager: bool, prompts: list[list[int]], kv_cache_dtype="auto"):
     from pagellm import LLM, SamplingParams
 
     llm = LLM(model=str(path), device="cuda", dtype="float32", max_num_seqs=8,
-              max_model_len=256, num_gpu_blocks_override=64, enforce_eager=enforce_eager)
+              max_model_len=256, num_gpu_blocks_override=64, enforce_eager=enforce_eager,
+              kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     graphs = llm.llm_engine.runner.decode_graphs
     return [o.outputs[0].token_ids for o in outputs], graphs
 
 
-def test_cuda_graph_decodes_give_the_eager_tokens(triton_backend, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_cuda_graph_decodes_give_the_eager_tokens(triton_backend, tmp_path, kv_cache_dtype):
+    """Over an 8-bit cache too (the quantizing store kernel inside the graph)."""
     from pagellm.bench.random_model import build_random_model
 
     path = build_random_model(tmp_path / "tiny")
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 9 * i)] for i in range(5)]
-    eager, no_graphs = _generate(path, True, prompts)
-    replayed, graphs = _generate(path, False, prompts)
+    eager, no_graphs = _generate(path, True, prompts, kv_cache_dtype)
+    replayed, graphs = _generate(path, False, prompts, kv_cache_dtype)
     assert no_graphs is None and sorted(graphs.graphs) == [1, 2, 4, 8]
     assert replayed == eager  # 5 sequences decode padded to 8, then fewer as they finish
 
