@@ -109,7 +109,7 @@ class QuantizingLoad:
                              f"{tuple(stacked[0].shape)}, not the projection's "
                              f"{tuple(module.weight.shape)}")
         if int8:
-            q, scale, *zero = stacked
+            q, scale, *zero = _float16_if_exact(stacked)
             module.quantized = Int8Weight(q, scale, q.shape[1] // scale.shape[1]
                                           if scale.dim() == 2 else None, *zero)
         else:
@@ -128,6 +128,19 @@ def _int8_shards(parts: list[Parts]) -> list[Parts]:
     if any(len(p) == 3 for p in parts):
         parts = [p if len(p) == 3 else (*p, torch.zeros_like(p[1], dtype=torch.float32))
                  for p in parts]
+    return parts
+
+
+def _float16_if_exact(parts: Parts) -> Parts:
+    """Group-wise float32 scales (and zeros) in float16 where every one of them is exactly a
+    float16, as a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 block scales and mins are:
+    half the parameter bytes, the same weights. K-quant products (d * sc) mostly are not."""
+    q, *params = parts
+    if params[0].dim() != 2 or params[0].dtype != torch.float32:
+        return parts
+    halves = [p.half() for p in params]
+    if all(torch.equal(h.float(), p) for h, p in zip(halves, params)):
+        return q, *halves
     return parts
 
 

@@ -199,8 +199,9 @@ def test_other_layouts_are_quantized_from_the_float32_values(tmp_path, type_name
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_q8_0_blocks_are_int8_groups_of_32(tmp_path, dtype):
     """int8 from a Q8_0 file whose attn_v tensors are Q4_0 (a mixed file): every projection
-    and the vocabulary projection are int8 groups of 32 with float32 scales that dequantize
-    to the file's values exactly, in either dtype (the Q4_0 v rows as codes q - 8)."""
+    and the vocabulary projection are int8 groups of 32 with the file's float16 scales as
+    they are, dequantizing to the file's values exactly, in either dtype (the Q4_0 v rows as
+    codes q - 8)."""
     if not quant_matmul.available():
         pytest.skip("group-wise int8 runs in the compiled kernels, which are off here "
                     f"({quant_matmul.describe()})")
@@ -209,13 +210,13 @@ def test_q8_0_blocks_are_int8_groups_of_32(tmp_path, dtype):
     for name, module in projections(model).items():
         layer = module.quantized
         assert isinstance(layer, Int8Weight) and layer.group_size == 32, name
-        assert layer.scale.dtype == torch.float32 and layer.zero is None, name
+        assert layer.scale.dtype == torch.float16 and layer.zero is None, name
         np.testing.assert_array_equal(layer.dequantized().numpy(),
                                       file_weight(expected, name).numpy(), err_msg=name)
     tensors = {t.name: t for t in open_reader(path).tensors}
     q, scale = int8_codes(tensors["output.weight"])
     assert torch.equal(model.lm_head.quantized.q, q)
-    assert torch.equal(model.lm_head.quantized.scale, scale)
+    assert torch.equal(model.lm_head.quantized.scale.float(), scale)
 
 
 @pytest.mark.parametrize("type_name, group", [
@@ -223,20 +224,22 @@ def test_q8_0_blocks_are_int8_groups_of_32(tmp_path, dtype):
     ("Q5_1", 32), ("Q5_K", 32), ("Q2_K", 16)])
 def test_quantized_types_are_int8_groups(tmp_path, type_name, group):
     """int8 from a Q6_K (Q3_K, ...) file whose attn_v tensors are Q8_0: every projection and
-    the vocabulary projection are int8 groups of 16 or 32 with the file's codes, float32
-    scales and, for the types with a min, float32 zeros, dequantizing to gguf's values
-    exactly; in qkv_proj the Q8_0 v rows' scales of 32 are repeated into groups of 16, and
-    take zeros of 0 beside shards with zeros."""
+    the vocabulary projection are int8 groups of 16 or 32 with the file's codes, scales and,
+    for the types with a min, zeros, dequantizing to gguf's values exactly: float16 for the
+    types whose scales and mins are the file's float16 values (Q4_0, Q4_1, Q5_0, Q5_1),
+    float32 for the K types' products; in qkv_proj the Q8_0 v rows' scales of 32 are
+    repeated into groups of 16, and take zeros of 0 beside shards with zeros."""
     if not quant_matmul.available():
         pytest.skip("group-wise int8 runs in the compiled kernels, which are off here "
                     f"({quant_matmul.describe()})")
     path, expected = write_tiny_gguf(tmp_path, type_name, other_types={"attn_v": "Q8_0"})
     model, _ = load_model(path, dtype=torch.float32, quantization="int8")
     with_min = type_name in ("Q4_1", "Q4_K", "Q5_1", "Q5_K", "Q2_K")
+    params_dtype = torch.float32 if type_name.endswith("_K") else torch.float16
     for name, module in projections(model).items():
         layer = module.quantized
         assert isinstance(layer, Int8Weight) and layer.group_size == group, name
-        assert layer.scale.dtype == torch.float32, name
+        assert layer.params.dtype == params_dtype, name
         assert (layer.zero is not None) == with_min, name
         np.testing.assert_array_equal(layer.dequantized().numpy(),
                                       file_weight(expected, name).numpy(), err_msg=name)
@@ -245,9 +248,9 @@ def test_quantized_types_are_int8_groups(tmp_path, type_name, group):
     parts = int8_codes(tensors["output.weight"])
     assert len(parts) == 2 + with_min
     assert torch.equal(model.lm_head.quantized.q, parts[0])
-    assert torch.equal(model.lm_head.quantized.scale, parts[1])
+    assert torch.equal(model.lm_head.quantized.scale.float(), parts[1])
     if with_min:
-        assert torch.equal(model.lm_head.quantized.zero, parts[2])
+        assert torch.equal(model.lm_head.quantized.zero.float(), parts[2])
 
 
 def test_safetensors_float32_checkpoint_is_quantized_from_its_values(model_zoo):

@@ -54,7 +54,7 @@ def inputs(out_features, in_features, dtype, rows, seed=0):
 
 @pytest.mark.parametrize("x_dtype, param_dtype", [
     (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-    (torch.float32, torch.bfloat16)])
+    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_matmul_matches_float64_reference(build, x_dtype, param_dtype, group_size):
     weight, x = inputs(40, 256, x_dtype, max(ROWS))
@@ -130,16 +130,21 @@ def test_compiled_rounding_of_activations_is_torch_s_exactly(build, x_dtype):
     assert torch.equal(rounded, quant_matmul.quantize_activations(view))
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype, param_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float16), (torch.float32, torch.float16)])
 @pytest.mark.parametrize("group_size", [8, 16, 32, None])
-def test_int8_matmul_matches_float64_reference(build, x_dtype, group_size):
+def test_int8_matmul_matches_float64_reference(build, x_dtype, param_dtype, group_size):
+    """Scales in float16 too (a GGUF file's Q8_0 / Q4_0 / Q5_0 block scales as they are),
+    one of them a float16 subnormal."""
     weight, x = inputs(24, 96, x_dtype, max(ROWS), seed=1)
+    weight[0, :8] *= 2 ** -10  # its scales ~7e-6: float16 subnormals (normals from 6.1e-5)
     if group_size is None:  # one scale per output channel
-        q, scale = int8_quantize(weight, x_dtype)
+        q, scale = int8_quantize(weight, param_dtype)
         deq = q.double() * scale.double()[:, None]
     else:
         groups = weight.view(24, -1, group_size)
-        scale = (groups.abs().amax(-1) / 127).to(x_dtype)  # [N, K / group_size]
+        scale = (groups.abs().amax(-1) / 127).to(param_dtype)  # [N, K / group_size]
         q = (groups / scale.float()[..., None]).round().to(torch.int8).view(24, 96)
         deq = (q.double().view(24, -1, group_size) * scale.double()[..., None]).view(24, 96)
     layer = Int8Weight(q, scale, group_size)
@@ -151,7 +156,8 @@ def test_int8_matmul_matches_float64_reference(build, x_dtype, group_size):
 
 @pytest.mark.parametrize("x_dtype, param_dtype", [
     (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-    (torch.bfloat16, torch.bfloat16)])
+    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16),
+    (torch.float32, torch.float16)])
 @pytest.mark.parametrize("group_size", [16, 32, 48])
 def test_int8_with_zeros_matches_float64_reference(build, x_dtype, param_dtype, group_size):
     """int8 codes with a scale and a zero per group (GGUF's blocks with a min: q * scale +
@@ -162,6 +168,7 @@ def test_int8_with_zeros_matches_float64_reference(build, x_dtype, param_dtype, 
     q = torch.randint(0, 32, (24, 96), generator=gen, dtype=torch.int8)
     scale = (torch.rand(24, 96 // group_size, generator=gen) * 0.02 + 0.002).to(param_dtype)
     zero = (-torch.rand(24, 96 // group_size, generator=gen) * 0.3).to(param_dtype)
+    scale[1, 0], zero[2, 0] = 2 ** -20, -(2 ** -22)  # float16 subnormals
     x = torch.randn(max(ROWS), 96, generator=gen).to(x_dtype)
     deq = (q.double().view(24, -1, group_size) * scale.double()[..., None]
            + zero.double()[..., None]).view(24, 96)

@@ -25,7 +25,8 @@
  *        nibble and column j + 16 in its high nibble (as GGML's Q4 blocks), so that one
  *        16-byte load and two masks give 32 codes in column order;
  *   int4 params [N, K / group_size, 2] (scale, zero), float32 or bfloat16;
- *   int8 codes [N, K] int8; params [N, K / group_size] scale, float32 or bfloat16;
+ *   int8 codes [N, K] int8; params [N, K / group_size] scale, float32, bfloat16 or float16
+ *        (int8 and int8_zero: float16 where a GGUF file's fp16 block scales hold them exactly);
  *   int8_zero codes [N, K] int8; params [N, K / group_size, 2] (scale, zero), as int4's;
  *   bf16 "codes" [N, K]: a bfloat16 weight as it is (no parameters; group_size K), for CPUs
  *        where oneDNN has no bfloat16 matmul and torch's makes a pass over W per row.
@@ -67,6 +68,24 @@ static inline float bf16_to_f32(bf16_t v) {
   return f;
 }
 
+/* float16 -> float32, exactly (normals, subnormals, zeros, infinities, NaN). */
+static inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else { /* zero or subnormal: man * 2^-24, exact in float32 */
+    float f = (float)man * 5.9604644775390625e-8f;
+    memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
 static inline bf16_t f32_to_bf16(float f) { /* round to nearest even, as torch */
   uint32_t u;
   memcpy(&u, &f, 4);
@@ -81,12 +100,16 @@ typedef struct {
   void *out;              /* [M, N] contiguous, x's dtype */
   float *workspace;       /* M * K floats (used when x is bfloat16) */
   int64_t rows, out_features, in_features, group_size, x_stride, num_threads;
-  int32_t x_bf16, params_bf16;
+  int32_t x_bf16, params_dtype; /* params_dtype: PARAMS_F32, PARAMS_BF16 or PARAMS_F16 */
   const float *bias;      /* [N] added to every row before the rounding, or NULL */
 } qmm_args;
 
-static inline float param(const void *p, int64_t i, int bf16) {
-  return bf16 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
+enum { PARAMS_F32 = 0, PARAMS_BF16 = 1, PARAMS_F16 = 2 };
+
+static inline float param(const void *p, int64_t i, int dtype) {
+  return dtype == PARAMS_BF16 ? bf16_to_f32(((const bf16_t *)p)[i])
+         : dtype == PARAMS_F16 ? f16_to_f32(((const uint16_t *)p)[i])
+                               : ((const float *)p)[i];
 }
 
 /* The float32 rows of x: x itself, or its bfloat16 values widened into the workspace. */
@@ -169,11 +192,21 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/* 8 parameters from i on as floats (bfloat16 widened by a shift). */
-static inline __m256 load_params(const void *p, int64_t i, int bf16) {
-  if (!bf16) return _mm256_loadu_ps((const float *)p + i);
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16_t *)p + i)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+/* 8 parameters from i on as floats (bfloat16 widened by a shift, float16 by F16C). Also
+ * loads 8 bfloat16 activations (PARAMS_BF16). */
+static inline __m256 load_params(const void *p, int64_t i, int dtype) {
+  if (dtype == PARAMS_F32) return _mm256_loadu_ps((const float *)p + i);
+  const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+  if (dtype == PARAMS_F16) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(half);
+#else
+    float f[8];
+    for (int j = 0; j < 8; j++) f[j] = f16_to_f32(((const uint16_t *)p)[i + j]);
+    return _mm256_loadu_ps(f);
+#endif
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
 /* zsum[r] = sum over groups of (zero + offset * scale) * (group sum of row r of x): the dot
@@ -185,13 +218,13 @@ static inline void zero_terms(const qmm_args *a, const float *xw, int64_t groups
   for (int r = 0; r < T; r++) acc[r] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= len; i += 8) {
-    const __m256 p = load_params(a->params, n * len + i, a->params_bf16);
+    const __m256 p = load_params(a->params, n * len + i, a->params_dtype);
     for (int r = 0; r < T; r++) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(xw + r * len + i), acc[r]);
   }
   for (int r = 0; r < T; r++) {
     zsum[r] = hsum8(acc[r]);
     for (int64_t j = i; j < len; j++)
-      zsum[r] += param(a->params, n * len + j, a->params_bf16) * xw[r * len + j];
+      zsum[r] += param(a->params, n * len + j, a->params_dtype) * xw[r * len + j];
   }
 }
 
@@ -235,12 +268,12 @@ static inline void widen_codes(const uint8_t *p, __m256 w[4]) {
   {                                                                                       \
     int64_t g = 0;                                                                        \
     for (; g + 2 <= (groups); g += 2) {                                                   \
-      GROUP(g, _mm256_set1_ps(param(a->params, SCALE(g), a->params_bf16)), even);         \
-      GROUP(g + 1, _mm256_set1_ps(param(a->params, SCALE(g + 1), a->params_bf16)),        \
+      GROUP(g, _mm256_set1_ps(param(a->params, SCALE(g), a->params_dtype)), even);         \
+      GROUP(g + 1, _mm256_set1_ps(param(a->params, SCALE(g + 1), a->params_dtype)),        \
             T <= 2 ? odd : even);                                                         \
     }                                                                                     \
     if (g < (groups))                                                                     \
-      GROUP(g, _mm256_set1_ps(param(a->params, SCALE(g), a->params_bf16)), even);         \
+      GROUP(g, _mm256_set1_ps(param(a->params, SCALE(g), a->params_dtype)), even);         \
   }
 #define sum_rows(r) hsum8(T <= 2 ? _mm256_add_ps(even[r], odd[r]) : even[r])
 
@@ -367,10 +400,10 @@ static inline void int4_wide(const qmm_args *a, const float *x, int64_t xs, int6
   __m256 acc[WIDE_ROWS];
   for (int r = 0; r < WIDE_ROWS; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
-    const float s = param(a->params, (n * groups + g) * 2, a->params_bf16);
+    const float s = param(a->params, (n * groups + g) * 2, a->params_dtype);
     const __m256 scale = _mm256_set1_ps(s);
     const __m256 zero = _mm256_set1_ps(param(a->params, (n * groups + g) * 2 + 1,
-                                             a->params_bf16) - 8.0f * s);
+                                             a->params_dtype) - 8.0f * s);
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
       __m256 codes[4];
       widen_codes(q + k / 2, codes);
@@ -393,8 +426,8 @@ INLINE void int8_wide_rows(const qmm_args *a, const float *x, int64_t xs, int64_
   for (int r = 0; r < WIDE_ROWS; r++) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
     const int64_t i = zeros ? (n * groups + g) * 2 : n * groups + g;
-    const __m256 scale = _mm256_set1_ps(param(a->params, i, a->params_bf16));
-    const __m256 zero = zeros ? _mm256_set1_ps(param(a->params, i + 1, a->params_bf16))
+    const __m256 scale = _mm256_set1_ps(param(a->params, i, a->params_dtype));
+    const __m256 zero = zeros ? _mm256_set1_ps(param(a->params, i + 1, a->params_dtype))
                               : _mm256_setzero_ps();
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 8) {
       const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + k));
@@ -463,7 +496,7 @@ static inline void bf16_wide(const qmm_args *a, const float *x, int64_t xs, int6
 static inline int quantize_block(const void *x, int64_t i, int bf16, int8_t *q, float *d) {
   __m256 v[4];
   for (int p = 0; p < 4; p++)
-    v[p] = bf16 ? load_params(x, i + 8 * p, 1) : _mm256_loadu_ps((const float *)x + i + 8 * p);
+    v[p] = bf16 ? load_params(x, i + 8 * p, PARAMS_BF16) : _mm256_loadu_ps((const float *)x + i + 8 * p);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask));
   m = _mm256_max_ps(m, _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
@@ -555,8 +588,8 @@ static inline void int4_column(const qmm_args *a, const float *x, int64_t xs, co
   float acc[TILE_ROWS][8] = {{0}};
   float w[32];
   for (int64_t g = 0; g < groups; g++) {
-    const float scale = param(a->params, (n * groups + g) * 2, a->params_bf16);
-    const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_bf16);
+    const float scale = param(a->params, (n * groups + g) * 2, a->params_dtype);
+    const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_dtype);
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 32) {
       for (int j = 0; j < 16; j++) {
         const uint8_t byte = q[k / 2 + j];
@@ -578,8 +611,8 @@ INLINE void int8_rows(const qmm_args *a, const float *x, int64_t xs, int64_t m0,
   float acc[TILE_ROWS][8] = {{0}};
   for (int64_t g = 0; g < groups; g++) {
     const int64_t i = zeros ? (n * groups + g) * 2 : n * groups + g;
-    const float scale = param(a->params, i, a->params_bf16);
-    const float zero = zeros ? param(a->params, i + 1, a->params_bf16) : 0.0f;
+    const float scale = param(a->params, i, a->params_dtype);
+    const float zero = zeros ? param(a->params, i + 1, a->params_dtype) : 0.0f;
     for (int64_t k = g * gs; k < (g + 1) * gs; k += 8)
       for (int r = 0; r < T; r++)
         for (int j = 0; j < 8; j++)
@@ -657,8 +690,8 @@ INLINE void int4_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T, 
         for (int j = 0; j < 32; j++) dot += codes[j] * (int32_t)qx[b * 32 + j];
         sum += (float)dot * x->d[(m0 + r) * blocks + b];
       }
-      const float scale = param(a->params, (n * groups + g) * 2, a->params_bf16);
-      const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_bf16);
+      const float scale = param(a->params, (n * groups + g) * 2, a->params_dtype);
+      const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_dtype);
       total += sum * scale + scale * pairs[2 * g] + zero * pairs[2 * g + 1];
     }
     store(a, m0 + r, n, total);
@@ -756,8 +789,8 @@ void int4_dequantize(const qmm_args *a, int64_t row0, int64_t count, float *out)
     const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
     float *w = out + (n - row0) * K;
     for (int64_t g = 0; g < groups; g++) {
-      const float scale = param(a->params, (n * groups + g) * 2, a->params_bf16);
-      const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_bf16);
+      const float scale = param(a->params, (n * groups + g) * 2, a->params_dtype);
+      const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_dtype);
       for (int64_t k = g * gs; k < (g + 1) * gs; k += 32)
         for (int j = 0; j < 16; j++) {
           w[k + j] = ((float)(q[k / 2 + j] & 0x0f) - 8.0f) * scale + zero;
@@ -773,7 +806,7 @@ void int8_dequantize(const qmm_args *a, int64_t row0, int64_t count, float *out)
   for (int64_t n = row0; n < row0 + count; n++) {
     const int8_t *q = (const int8_t *)a->codes + n * K;
     for (int64_t g = 0; g < groups; g++) {
-      const float scale = param(a->params, n * groups + g, a->params_bf16);
+      const float scale = param(a->params, n * groups + g, a->params_dtype);
       for (int64_t k = g * gs; k < (g + 1) * gs; k++) out[(n - row0) * K + k] = (float)q[k] * scale;
     }
   }
@@ -785,8 +818,8 @@ void int8_zero_dequantize(const qmm_args *a, int64_t row0, int64_t count, float 
   for (int64_t n = row0; n < row0 + count; n++) {
     const int8_t *q = (const int8_t *)a->codes + n * K;
     for (int64_t g = 0; g < groups; g++) {
-      const float scale = param(a->params, (n * groups + g) * 2, a->params_bf16);
-      const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_bf16);
+      const float scale = param(a->params, (n * groups + g) * 2, a->params_dtype);
+      const float zero = param(a->params, (n * groups + g) * 2 + 1, a->params_dtype);
       for (int64_t k = g * gs; k < (g + 1) * gs; k++)
         out[(n - row0) * K + k] = (float)q[k] * scale + zero;
     }

@@ -45,7 +45,7 @@ class _Args(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in
                    ("rows", "out_features", "in_features", "group_size", "x_stride",
                     "num_threads")]
-                + [("x_bf16", ctypes.c_int32), ("params_bf16", ctypes.c_int32),
+                + [("x_bf16", ctypes.c_int32), ("params_dtype", ctypes.c_int32),
                    ("bias", ctypes.c_void_p)])
 
 
@@ -116,6 +116,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([runs & 0x0F, runs >> 4], 2).reshape(out_features, -1)
 
 
+# the kernel's params_dtype codes (quant_matmul.c)
+_PARAMS_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 class QuantizedMatmul:
     """x [..., K] -> x @ W^T for one quantized weight: its codes and parameters, and the
     kernel arguments that do not change from call to call, prepared once (a projection runs
@@ -142,9 +146,13 @@ class QuantizedMatmul:
         self.kind, self.codes, self.params = kind, codes, params  # keep them alive
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (
             2 if kind == "int4" else 1)
+        params_dtype = _PARAMS_DTYPES.get(params.dtype)
+        if params_dtype is None:
+            raise ValueError(f"quantized matmul: parameters in "
+                             f"{str(params.dtype).removeprefix('torch.')}; float32, bfloat16 "
+                             f"or float16")
         self.args = _Args(0, codes.data_ptr(), params.data_ptr(), 0, 0, 0, self.out_features,
-                          self.in_features, group_size, 0, 1, 0,
-                          params.dtype == torch.bfloat16, None)
+                          self.in_features, group_size, 0, 1, 0, params_dtype, None)
         self.pointer = ctypes.byref(self.args)
 
     def __call__(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
