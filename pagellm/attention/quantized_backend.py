@@ -31,6 +31,9 @@ from pagellm.attention.kv_quant import QuantizedKVCache, dequantize, write_to_kv
 from pagellm.attention.metadata import AttentionMetadata
 
 CHUNK_BLOCKS = 16
+# torch's CPU flash attention, which returns each row's log-sum-exp (a private op: absent
+# from a build, the prefills take chunked_attention)
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def chunked_attention(query: torch.Tensor, cache: QuantizedKVCache, block_tables: torch.Tensor,
@@ -121,7 +124,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def _flash_prefill(query: torch.Tensor) -> bool:
     """Whether prefills attend with the CPU flash-attention op (which returns the
     log-sum-exp that merging chunks needs), rather than ``chunked_attention``."""
-    return query.device.type == "cpu"
+    return query.device.type == "cpu" and _FLASH is not None
 
 
 def _prefill(query: torch.Tensor, cache: QuantizedKVCache, table: torch.Tensor,
@@ -149,9 +152,8 @@ def _prefill(query: torch.Tensor, cache: QuantizedKVCache, table: torch.Tensor,
         if visible is not None:
             bias = torch.zeros(visible.shape, device=query.device).masked_fill_(
                 ~visible, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, key_rows.transpose(0, 1)[None], value_rows.transpose(0, 1)[None], 0.0,
-            causal, attn_mask=bias, scale=scale)
+        out, lse = _FLASH(q, key_rows.transpose(0, 1)[None], value_rows.transpose(0, 1)[None],
+                          0.0, causal, attn_mask=bias, scale=scale)
         if visible is not None:  # a row with no visible key: weight 0 in the merge
             blind = ~visible.any(-1)
             out = out.masked_fill(blind[:, None], 0.0)
