@@ -138,6 +138,20 @@ def _quantized_rows(x, qmax, FORMAT: tl.constexpr):
 
 
 @triton.jit
+def _store_quantized_rows(src_ptr, cache_ptr, row, heads, dims, mask, head_mask, head_dim,
+                          qmax, FORMAT: tl.constexpr):
+    """Rows src_ptr + heads * stride + dims (one token's K or V) quantized into the cache
+    rows at ``row``: head_dim codes, then the scale's two bytes (little-endian bfloat16)."""
+    x = tl.load(src_ptr, mask=mask, other=0.0).to(tl.float32)
+    codes, scale_bits = _quantized_rows(x, qmax, FORMAT)
+    tl.store(cache_ptr + row + dims, codes.to(tl.uint8), mask=mask)
+    tl.store(cache_ptr + row + head_dim, (scale_bits & 0xFF).to(tl.uint8)[:, None],
+             mask=head_mask)
+    tl.store(cache_ptr + row + head_dim + 1, (scale_bits >> 8).to(tl.uint8)[:, None],
+             mask=head_mask)
+
+
+@triton.jit
 def _write_kv_quantized_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                                stride_key_t, stride_key_h, stride_value_t, stride_value_h,
                                stride_cache_b, stride_cache_s, stride_cache_h,
@@ -145,7 +159,7 @@ def _write_kv_quantized_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slo
                                FORMAT: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_D: tl.constexpr):
     """One token: its K and V rows quantized (_quantized_rows) into the uint8 caches' rows
-    at its slot: head_dim codes, then the scale's two bytes (little-endian bfloat16)."""
+    at its slot."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)  # int64
     if slot < 0:  # padding: not written
@@ -156,22 +170,12 @@ def _write_kv_quantized_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slo
     mask = head_mask & (dims < head_dim)
     row = ((slot // block_size) * stride_cache_b + (slot % block_size) * stride_cache_s
            + heads * stride_cache_h)  # [BLOCK_H, 1]
-    key = tl.load(key_ptr + token * stride_key_t + heads * stride_key_h + dims, mask=mask,
-                  other=0.0).to(tl.float32)
-    codes, scale_bits = _quantized_rows(key, qmax, FORMAT)
-    tl.store(k_cache_ptr + row + dims, codes.to(tl.uint8), mask=mask)
-    tl.store(k_cache_ptr + row + head_dim, (scale_bits & 0xFF).to(tl.uint8)[:, None],
-             mask=head_mask)
-    tl.store(k_cache_ptr + row + head_dim + 1, (scale_bits >> 8).to(tl.uint8)[:, None],
-             mask=head_mask)
-    value = tl.load(value_ptr + token * stride_value_t + heads * stride_value_h + dims,
-                    mask=mask, other=0.0).to(tl.float32)
-    codes, scale_bits = _quantized_rows(value, qmax, FORMAT)
-    tl.store(v_cache_ptr + row + dims, codes.to(tl.uint8), mask=mask)
-    tl.store(v_cache_ptr + row + head_dim, (scale_bits & 0xFF).to(tl.uint8)[:, None],
-             mask=head_mask)
-    tl.store(v_cache_ptr + row + head_dim + 1, (scale_bits >> 8).to(tl.uint8)[:, None],
-             mask=head_mask)
+    _store_quantized_rows(key_ptr + token * stride_key_t + heads * stride_key_h + dims,
+                          k_cache_ptr, row, heads, dims, mask, head_mask, head_dim, qmax,
+                          FORMAT)
+    _store_quantized_rows(value_ptr + token * stride_value_t + heads * stride_value_h + dims,
+                          v_cache_ptr, row, heads, dims, mask, head_mask, head_dim, qmax,
+                          FORMAT)
 
 
 @triton.jit

@@ -129,25 +129,13 @@ def test_prefill_over_context_chunks(fmt_name, sliding_window, decode_path, monk
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
 @pytest.mark.parametrize("head_dim, num_heads, num_kv_heads",
                          [(64, 12, 4), (128, 8, 8), (40, 16, 1), (64, 9, 3), (256, 8, 2)])
-def test_decode_shapes(fmt_name, head_dim, num_heads, num_kv_heads, decode_path):
-    """Decode-only steps: specialised and generic head_dim / group sizes."""
-    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1)]
-    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
-        batch, 8, torch.float32, fmt_name, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, seed=head_dim)
-    scale = head_dim ** -0.5
-    out = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, None)
-    expected = reference(q, cache, batch, seq_lens, tables, scale, None)
-    torch.testing.assert_close(out.double(), expected.double(), atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
-@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads",
-                         [(128, 8, 8), (40, 16, 1), (64, 9, 3), (256, 8, 2)])
-def test_prefill_shapes(fmt_name, head_dim, num_heads, num_kv_heads, decode_path):
-    """Prompts, a chunk and a prompt after a prefix hit: the flash-attention prefill (and
-    chunked_attention) at the head_dims and group sizes of the decode test."""
-    batch = [(0, 37), (21, 7), (40, 20), (9, 1)]
+@pytest.mark.parametrize("batch", [
+    [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1)],  # decodes only
+    [(0, 37), (21, 7), (40, 20), (9, 1)]], ids=["decodes", "prefills"])
+def test_head_shapes(fmt_name, head_dim, num_heads, num_kv_heads, batch, decode_path):
+    """Specialised and generic head_dim / group sizes: decode-only steps (the kernel's
+    loops), and prompts, a chunk and a prompt after a prefix hit (the flash-attention
+    prefill, or chunked_attention)."""
     q, k, v, cache, metadata, tables, seq_lens = quantized_step(
         batch, 8, torch.float32, fmt_name, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, seed=head_dim)
