@@ -101,12 +101,13 @@ def _quantized_rows(x, qmax, FORMAT: tl.constexpr):
     clamped to +-qmax and rounded to nearest even, int8 (FORMAT 0) as two's complement bytes,
     fp8 e4m3 (1) / e5m2 (2) with c10's bit operations (the CPU store's fp8_code); each fp8
     code's sign comes from x's own bits (a zero keeps its sign)."""
+    # the divisions are IEEE (div_rn): Triton's ``/`` is not correctly rounded on NVIDIA GPUs
     amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_H]
-    ratio = tl.where(amax > 0, amax / qmax, 1.0)
+    ratio = tl.where(amax > 0, tl.div_rn(amax, tl.full(amax.shape, qmax, tl.float32)), 1.0)
     bits = ratio.to(tl.int32, bitcast=True)  # positive and finite: no sign, no NaN
     scale_bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     scale = (scale_bits << 16).to(tl.float32, bitcast=True)
-    y = x / scale[:, None]
+    y = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     y = tl.minimum(tl.maximum(y, -qmax), qmax)
     if FORMAT == 0:
         # |y| <= 127: adding 1.5 * 2^23 leaves units in the last place, so the float adder
@@ -138,9 +139,9 @@ def _quantized_rows(x, qmax, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _store_quantized_rows(src_ptr, cache_ptr, row, heads, dims, mask, head_mask, head_dim,
-                          qmax, FORMAT: tl.constexpr):
-    """Rows src_ptr + heads * stride + dims (one token's K or V) quantized into the cache
+def _store_quantized_rows(src_ptr, cache_ptr, row, dims, mask, head_mask, head_dim, qmax,
+                          FORMAT: tl.constexpr):
+    """Rows at ``src_ptr`` [BLOCK_H, BLOCK_D] (one token's K or V) quantized into the cache
     rows at ``row``: head_dim codes, then the scale's two bytes (little-endian bfloat16)."""
     x = tl.load(src_ptr, mask=mask, other=0.0).to(tl.float32)
     codes, scale_bits = _quantized_rows(x, qmax, FORMAT)
@@ -171,11 +172,9 @@ def _write_kv_quantized_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slo
     row = ((slot // block_size) * stride_cache_b + (slot % block_size) * stride_cache_s
            + heads * stride_cache_h)  # [BLOCK_H, 1]
     _store_quantized_rows(key_ptr + token * stride_key_t + heads * stride_key_h + dims,
-                          k_cache_ptr, row, heads, dims, mask, head_mask, head_dim, qmax,
-                          FORMAT)
+                          k_cache_ptr, row, dims, mask, head_mask, head_dim, qmax, FORMAT)
     _store_quantized_rows(value_ptr + token * stride_value_t + heads * stride_value_h + dims,
-                          v_cache_ptr, row, heads, dims, mask, head_mask, head_dim, qmax,
-                          FORMAT)
+                          v_cache_ptr, row, dims, mask, head_mask, head_dim, qmax, FORMAT)
 
 
 @triton.jit
