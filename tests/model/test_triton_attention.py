@@ -183,8 +183,8 @@ def compile_kernel(fn, dtype, constexprs, num_warps, cache_dtype=None):
             signature[name] = "fp32" if name in ("scale_log2", "qmax") else "i32"
         if name.endswith("_ptr") or name.startswith("stride") or name == "head_dim":
             attrs[(i,)] = [["tt.divisibility", 16]]  # as a launch specialises aligned values
-    triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 for torch_dtype, dtype in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
     config = tb.launch_config(torch_dtype, 128)
@@ -192,8 +192,10 @@ for torch_dtype, dtype in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
                   DOT_PRECISION=tb._dot_precision(torch_dtype), UPCAST_DOT=False, QUANT=0)
     compile_kernel(tb._write_kv_kernel, dtype, dict(BLOCK_H=4, BLOCK_D=128), 4)
     for store_format in (0, 1, 2):  # the 8-bit store: int8, e4m3, e5m2 into uint8 rows
-        compile_kernel(tb._write_kv_quantized_kernel, dtype,
-                       dict(FORMAT=store_format, BLOCK_H=4, BLOCK_D=128), 4, "u8")
+        ptx = compile_kernel(tb._write_kv_quantized_kernel, dtype,
+                             dict(FORMAT=store_format, BLOCK_H=4, BLOCK_D=128), 4, "u8").asm["ptx"]
+        # the quantizer's bytes need IEEE divisions (div.rn), not div.full / div.approx
+        assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
     compile_kernel(tb._prefill_kernel, dtype, dict(common, BLOCK_M=config.prefill_block_m,
                    BLOCK_N=config.prefill_block_n), config.prefill_warps)
     compile_kernel(tb._decode_kernel, dtype, dict(common, BLOCK_G=16,
