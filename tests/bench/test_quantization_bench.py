@@ -24,11 +24,20 @@ def run(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def test_prefill_attention_report():
-    report = run("prefill-attention", "--iters", "1")
-    shapes = [(r["context"], r["query"]) for r in report["runs"]]
-    assert shapes == [(0, 256), (256, 256), (768, 256), (1024, 64)]
-    for entry in report["runs"]:
+def bench_module(monkeypatch):
+    """benchmarks/quantization.py imported, for the modes run in-process at small sizes."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import quantization
+
+    return quantization
+
+
+def test_prefill_attention_report(monkeypatch):
+    bench = bench_module(monkeypatch)
+    monkeypatch.setattr(bench, "PREFILL_SHAPES", ((0, 24), (40, 8)))
+    runs = bench.prefill_attention(1)
+    assert [(r["context"], r["query"]) for r in runs] == [(0, 24), (40, 8)]
+    for entry in runs:
         assert set(entry["ms"]) == {"auto", "int8", "int8/chunked_attention", "fp8",
                                     "fp8/chunked_attention"}
         assert all(ms > 0 for ms in entry["ms"].values())
@@ -57,15 +66,17 @@ def test_kv_memory_steps_add_up_to_the_workload(tmp_path):
         assert 0 <= steps["plan_steps"] <= steps["decode_only_steps"]
 
 
-def test_crossover_report():
+def test_crossover_report(monkeypatch):
     from pagellm.model.layers import quant_matmul
 
     if not quant_matmul.available():
         pytest.skip("the compiled matmul kernels are off here")
-    report = run("crossover", "--iters", "1")
-    assert report["gemm_rows"] == quant_matmul.GEMM_ROWS
-    assert {(r["shapes"], r["rows"]) for r in report["runs"]} == {
-        (shapes, rows) for shapes in ("smollm2", "small") for rows in (8, 16, 24, 28, 31, 32, 40, 48, 64)}
+    bench = bench_module(monkeypatch)
+    monkeypatch.setattr(bench, "CROSSOVER_ROWS", (3, 40))
+    report = bench.crossover(1)
+    assert report["gemm_rows"] == quant_matmul.GEMM_ROWS == 32  # the forced paths restored
+    assert [(r["shapes"], r["rows"]) for r in report["runs"]] == [
+        (shapes, rows) for shapes in ("smollm2", "small") for rows in (3, 40)]
     for entry in report["runs"]:
         assert set(entry["ms_per_layer"]) == {f"{kind}/{path}" for kind in
                                               ("bfloat16", "int4", "int8")
