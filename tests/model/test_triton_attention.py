@@ -159,6 +159,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from pagellm.attention import triton_backend as tb
+from pagellm.attention import triton_store as ts
 
 try:
     get_ptxas(90).path
@@ -190,9 +191,9 @@ for torch_dtype, dtype in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
     config = tb.launch_config(torch_dtype, 128)
     common = dict(QUERIES_PER_KV=3, BLOCK_D=128, USE_WINDOW=True,
                   DOT_PRECISION=tb._dot_precision(torch_dtype), UPCAST_DOT=False, QUANT=0)
-    compile_kernel(tb._write_kv_kernel, dtype, dict(BLOCK_H=4, BLOCK_D=128), 4)
+    compile_kernel(ts._write_kv_kernel, dtype, dict(BLOCK_H=4, BLOCK_D=128), 4)
     for store_format in (0, 1, 2):  # the 8-bit store: int8, e4m3, e5m2 into uint8 rows
-        ptx = compile_kernel(tb._write_kv_quantized_kernel, dtype,
+        ptx = compile_kernel(ts._write_kv_quantized_kernel, dtype,
                              dict(FORMAT=store_format, BLOCK_H=4, BLOCK_D=128), 4, "u8").asm["ptx"]
         # the quantizer's bytes need IEEE divisions (div.rn), not div.full / div.approx
         assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
