@@ -203,25 +203,16 @@ class SharedWeightsEngines:
             return LLM(str(self.model), dtype=dtype, **engine_kwargs)
 
 
-def hf_greedy_until(hf_model: Any, prompt: list[int], max_new_tokens: int,
-                    stop_token_id: int) -> list[int]:
-    """transformers' greedy continuation, one token at a time through its KV cache, ending
-    after ``stop_token_id`` (included) or ``max_new_tokens``."""
-    import inspect
-
+def hf_greedy_disagreement(hf_model: Any, prompt: list[int], tokens: list[int]) -> int | None:
+    """The first position k where transformers' greedy choice after ``prompt + tokens[:k]``
+    is not ``tokens[k]``; None where it is at every position. One forward of the whole
+    sequence (teacher forcing): its argmax at each position is the token transformers' own
+    greedy decoding takes there, so ``tokens`` is that decoding exactly when this is None
+    (and ends where it would end, when its last token is the stop token). A fraction of the
+    cost of decoding token by token through transformers' KV cache."""
     import torch
 
-    # transformers 5 names the forward's KV cache argument ``cache``, older ones
-    # ``past_key_values``.
-    cache_arg = "cache" if "cache" in inspect.signature(hf_model.forward).parameters \
-        else "past_key_values"
     with torch.inference_mode():
-        out = hf_model(torch.tensor([prompt]), use_cache=True)
-        tokens: list[int] = []
-        while len(tokens) < max_new_tokens:
-            tokens.append(int(out.logits[0, -1].float().argmax()))
-            if tokens[-1] == stop_token_id:
-                break
-            out = hf_model(torch.tensor([tokens[-1:]]), use_cache=True,
-                           **{cache_arg: out.past_key_values})
-    return tokens
+        logits = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+    chosen = logits.float().argmax(-1).tolist()
+    return next((k for k, (a, b) in enumerate(zip(chosen, tokens)) if a != b), None)
