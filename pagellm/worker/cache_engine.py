@@ -20,7 +20,8 @@ On the CPU everything is a plain synchronous copy.
 """
 from __future__ import annotations
 
-import ctypes
+import math
+import mmap
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -216,26 +217,28 @@ def kv_memory_model(hf_config: Any, dtype: torch.dtype, kv_format: KVFormat | No
         dtype=str(dtype).removeprefix("torch."))
 
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
 def _allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype,
                      device: torch.device) -> torch.Tensor:
-    """A zero-filled cache; on Linux CPU memory, backed by 2 MiB pages where the kernel allows.
+    """A zero-filled cache. On Linux CPU memory: an anonymous private mapping, whose pages
+    read as zeros and are committed on their first write (when a step first stores into a
+    block), advised to 2 MiB pages.
 
-    Decode attention streams the whole cache every step; with 4 KiB pages every 4 KiB costs a
-    TLB miss (measured 20-30% lower read bandwidth on this project's CPU). The advice must
-    come before the first touch, hence empty -> madvise -> zero_.
+    Decode attention streams the blocks of every sequence each step; with 4 KiB pages every
+    4 KiB costs a TLB miss (measured 20-30% lower read bandwidth on this project's CPU), so
+    the advice comes before any page is touched. Zero-filling the whole cache up front, as
+    ``torch.zeros`` does, took 2.8 s of SmolLM2's 11.6 s start-up on a 2-core EPYC for a cache
+    of 10% of the RAM, most of which a light workload never writes (docs/BENCHMARKS.md,
+    "Start-up"); the engine checks at start that the cache fits in the available RAM
+    (engine_setup), since its pages are committed only as they fill.
     """
-    cache = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and sys.platform.startswith("linux"):
-        start = (cache.data_ptr() + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
-        end = (cache.data_ptr() + cache.numel() * cache.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:
-            try:
-                ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                                          _MADV_HUGEPAGE)
-            except (OSError, AttributeError):
-                pass  # only an optimisation
-    return cache.zero_()
+    numel = math.prod(shape)
+    if device.type != "cpu" or not sys.platform.startswith("linux") or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # anonymous and private (a shared one would be shmem, which takes no transparent huge
+    # pages): zero pages until written
+    buffer = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+    try:
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass  # only an optimisation
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)

@@ -185,6 +185,8 @@ def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGr
         spec.max_model_len, tp.world_size))
     num_cpu_blocks = args.swap_space_bytes // block_bytes
     _check_fits(args, num_gpu_blocks, spec.max_model_len)
+    if device.type == "cpu":
+        _check_ram(args, num_gpu_blocks * block_bytes)
     cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size,
                                spec.dtype, device, kv_format, tp.world_size)
     runner = ModelRunner(model, cache_engine, device)
@@ -340,6 +342,20 @@ def _check_fits(args: EngineArgs, num_gpu_blocks: int, max_model_len: int) -> No
             f"sequence of max_model_len={max_model_len} needs {needed}: give the KV cache more "
             "memory (kv_cache_memory_bytes, gpu_memory_utilization, num_gpu_blocks_override) or "
             "lower max_model_len")
+
+
+def _check_ram(args: EngineArgs, cache_bytes: int) -> None:
+    """A CPU KV cache commits its pages as its blocks fill (cache_engine._allocate_zeroed),
+    so one larger than the RAM available would fail mid-run: it is refused at start. The
+    default (a share of the available RAM) always fits; a rank checks its own cache."""
+    available = available_ram_bytes()
+    if cache_bytes <= available:
+        return
+    setting = (f"num_gpu_blocks_override={args.num_gpu_blocks_override}"
+               if args.num_gpu_blocks_override is not None
+               else f"kv_cache_memory_bytes={args.kv_cache_memory_bytes}")
+    raise ValueError(f"the KV cache ({setting}: {cache_bytes} bytes) exceeds the {available} "
+                     "bytes of RAM available; give it less")
 
 
 def _log_sizing(args: EngineArgs, num_gpu_blocks: int, num_cpu_blocks: int, block_bytes: int,

@@ -1,6 +1,9 @@
 """CacheEngine: layout, bytes per block, block copies and swap round trips (all layers)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import tiny_config
@@ -17,6 +20,72 @@ def engine() -> CacheEngine:
         k.copy_(layer * 100 + torch.arange(10.0).view(10, 1, 1, 1).expand_as(k))
         v.copy_(-k)
     return engine
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_device_cache_starts_as_zeros_and_outlives_its_engine(kv_cache_dtype):
+    """On Linux the CPU cache is an anonymous mapping (pages committed as blocks fill): it
+    reads as zeros everywhere before any write, every block takes its own writes, and the
+    layers' views keep the memory when the engine is gone."""
+    import gc
+
+    from pagellm.attention import kv_quant
+
+    config = tiny_config("Qwen3ForCausalLM", num_hidden_layers=2)
+    # 4,096 blocks (4-8 MiB): room for whole 2 MiB pages
+    engine = CacheEngine(config, num_blocks=4096, num_cpu_blocks=0, block_size=4,
+                         dtype=torch.bfloat16, device="cpu",
+                         kv_format=kv_quant.kv_format(kv_cache_dtype))
+    cache = engine.device_cache
+    assert cache.is_contiguous() and not cache.any()
+    if sys.platform.startswith("linux"):
+        mapping = _mapping_of(cache.data_ptr())
+        assert mapping["perms"].endswith("p")  # private: a shared mapping takes no huge pages
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+        if thp.is_file() and "[never]" not in thp.read_text() and "THPeligible" in mapping:
+            assert mapping["THPeligible"] == "1"  # the 2 MiB-page advice holds
+    assert cache.dtype == (torch.bfloat16 if kv_cache_dtype == "auto" else torch.uint8)
+    views = [engine.kv_caches[1][0], engine.kv_caches[1][1]]  # layer 1's K and V
+    del engine, cache
+    gc.collect()
+    for i, view in enumerate(views):
+        view[3].fill_(i + 1)
+    assert [int(v[3].sum()) for v in views] == [views[0][3].numel(), 2 * views[1][3].numel()]
+    assert not views[0][:3].any() and not views[0][4:].any() and not views[1][:3].any()
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps entry of the mapping holding ``address``: its permissions and
+    its fields."""
+    entry: dict[str, str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:  # "start-end perms offset dev inode path"
+            start, end = (int(x, 16) for x in head[0].split("-"))
+            if entry is not None:
+                break
+            if start <= address < end:
+                entry = {"perms": head[1]}
+        elif entry is not None:
+            key, _, value = line.partition(":")
+            entry[key] = value.strip()
+    assert entry is not None, hex(address)
+    return entry
+
+
+def test_a_cpu_cache_larger_than_the_available_ram_is_refused(tmp_path):
+    """Its pages are committed as blocks fill, so a cache that cannot fit would fail mid-run:
+    it is refused at start, naming the setting and the RAM available."""
+    from helpers import make_tiny_model
+
+    from pagellm import LLM
+    from pagellm.worker.engine_setup import available_ram_bytes
+
+    model = make_tiny_model(tmp_path, "LlamaForCausalLM")
+    too_much = 2 * available_ram_bytes()
+    with pytest.raises(ValueError, match=rf"kv_cache_memory_bytes={too_much}: \d+ bytes\) exceeds "
+                                         r"the \d+ bytes of RAM available"):
+        LLM(str(model), kv_cache_memory_bytes=too_much, max_model_len=64)
 
 
 def block_values(engine: CacheEngine, block: int) -> list[float]:
