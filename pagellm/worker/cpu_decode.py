@@ -15,13 +15,14 @@ arguments prepared once per number of sequences and buffers allocated once:
     then the final rms_norm.
 
 A projection on pagellm's compiled products (int4/int8, the bfloat16 kernel) is a prepared
-call too; one on torch's kernels (the int4/int8 layers on AVX-512 CPUs, oneDNN's packed
-bfloat16 weights) or with a bias the kernel sums runs the layer's own forward, its result
-copied into the plan's buffer. Between the kernels only the step's fields are set (the
-attention's block pairs, lengths, slots and workspace; rotary's cos and sin), so its hidden
-states equal the eager forward's bit for bit (tests/engine/test_cpu_decode.py). The embedding
-lookup, the rotary angles and the vocabulary projection stay with the model. Anything else
-(prefill, more sequences than ``max_rows``, a model or configuration it does not support)
+call too, for fewer than ``quant_matmul.GEMM_ROWS`` sequences; from there (the float32 GEMM),
+or on torch's kernels (the int4/int8 layers on AVX-512 CPUs, oneDNN's packed bfloat16
+weights), or with a bias the kernel sums, it runs the layer's own forward, its result copied
+into the plan's buffer. Between the kernels only the step's fields are set (the attention's
+block pairs, lengths, slots and workspace; rotary's cos and sin), so its hidden states equal
+the eager forward's bit for bit (tests/engine/test_cpu_decode.py). The embedding lookup, the
+rotary angles and the vocabulary projection stay with the model. Anything else (prefill, more
+sequences than ``max_rows`` = max_num_seqs, a model or configuration it does not support)
 runs the eager forward: ``run`` returns None. ``enforce_eager=True`` turns it off, as it
 turns off CUDA graphs on the GPU.
 """
@@ -56,12 +57,14 @@ def _projection(linear: Linear, x: torch.Tensor, out: torch.Tensor,
                 workspace: torch.Tensor) -> list[Callable[[], object]]:
     """The calls that write linear(x) into ``out``, as the layer's forward computes it.
 
-    A compiled product is a prepared call, its bias (quantized layers: ``out + bias``) added
-    in place; any other projection (torch's int4/int8 kernels, oneDNN's packed weights, the
-    bfloat16 kernel with its bias in the sums) runs the layer's forward on the same values,
-    its result copied into ``out``."""
+    A compiled product of fewer than GEMM_ROWS rows is a prepared call, its bias (quantized
+    layers: ``out + bias``) added in place; any other projection (from GEMM_ROWS rows on, the
+    float32 GEMM; torch's int4/int8 kernels, oneDNN's packed weights, the bfloat16 kernel
+    with its bias in the sums) runs the layer's forward on the same values, its result
+    copied into ``out``."""
     matmul = _matmul_of(linear)
-    if matmul is not None and (linear.bias is None or linear.quantized is not None):
+    if (matmul is not None and x.shape[0] < quant_matmul.GEMM_ROWS
+            and (linear.bias is None or linear.quantized is not None)):
         calls: list[Callable[[], object]] = [matmul.prepared(x, out, workspace)]
         if linear.bias is not None:
             calls.append(lambda bias=linear.bias: out.add_(bias))
@@ -85,8 +88,7 @@ class CpuDecodePlan:
         hidden = model.config.hidden_size
         inter = first.mlp.down_proj.in_features
         qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.max_rows = min(max_rows, quant_matmul.GEMM_ROWS - 1)
-        rows = self.max_rows
+        self.max_rows = rows = max_rows
 
         def buffer(width: int) -> torch.Tensor:
             return torch.zeros(rows, width, dtype=self.dtype)
@@ -99,7 +101,9 @@ class CpuDecodePlan:
         self.cos = torch.zeros(rows, self.head_dim, dtype=self.dtype)
         self.sin = torch.zeros(rows, self.head_dim, dtype=self.dtype)
         widest = max(hidden, inter)
-        self.workspace = torch.zeros(quant_matmul.workspace_floats(rows, widest) + 64)
+        # the prepared products' (fewer than GEMM_ROWS rows; the forward's GEMM from there)
+        kernel_rows = min(rows, quant_matmul.GEMM_ROWS - 1)
+        self.workspace = torch.zeros(quant_matmul.workspace_floats(kernel_rows, widest) + 64)
         self.threads = 0
         self.norm_scratch = torch.zeros(0)
         # rows -> (the step's calls, its attention calls with an 8-bit cache's store or None)

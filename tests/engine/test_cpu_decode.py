@@ -119,6 +119,26 @@ def test_plan_on_an_8_bit_kv_cache(llama_dir, compiled_matmuls, kv_cache_dtype):
         assert any(served)
 
 
+@pytest.mark.parametrize("options", [dict(quantization="int4", quantization_group_size=32),
+                                     dict(quantization="int8", kv_cache_dtype="int8"),
+                                     dict()])
+def test_steps_past_the_kernels_rows_take_the_gemm_inside_the_plan(llama_dir, compiled_matmuls,
+                                                                    monkeypatch, options):
+    """From GEMM_ROWS sequences on (4 here; 32 as shipped) the products are the forward's
+    float32 GEMMs, run inside the plan beside its prepared norms, rotary and attention: the
+    plan serves those steps too, with the forward's tokens and logprobs bit for bit."""
+    monkeypatch.setattr(quant_matmul, "GEMM_ROWS", 4)
+    llm, eager = engine(llama_dir, **options), eager_twin(llama_dir, **options)
+    plan = plan_or_skip(llm)
+    assert plan.max_rows == 12
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(12, [5, 9, 3, 14], seed=9)]
+    served: list[int] = []
+    for count in (3, 12):
+        assert generate(llm, prompts[:count], plan, served) == generate(
+            eager, prompts[:count], None, [])
+    assert 12 in plan._plans and 3 in plan._plans  # both sides of GEMM_ROWS were served
+
+
 def with_zeros_in_groups_of_16(llm: LLM) -> CpuDecodePlan:
     """Every int8 layer of the engine's model as int8 codes with a scale and a zero per
     group of 16 (the form of GGUF's Q2_K blocks: the most group sums per row, the widest
