@@ -47,7 +47,7 @@ class GGUFFile:
 
     Raises ValueError naming the file for anything that is not a GGUF file this reads: a bad
     magic number, another version or byte order, a value type the specification lacks, a
-    table or tensor running past the end of the file."""
+    string that is not UTF-8, a table or tensor running past the end of the file."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
@@ -96,7 +96,11 @@ class GGUFFile:
         length = self._unpack("<Q")
         self._need(length)
         start, self._pos = self._pos, self._pos + length
-        return str(self._view[start:self._pos], "utf-8")
+        try:
+            return str(self._view[start:self._pos], "utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{self.path}: the string at offset {start} is not UTF-8 "
+                             f"({exc.reason})") from None
 
     def _value(self, value_type: int) -> Any:
         if value_type == _STRING:

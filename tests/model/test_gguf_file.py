@@ -105,6 +105,8 @@ def test_broken_files_are_named_with_what_is_wrong(tmp_path):
         "value_type": (_header(kvs=[("k", 99, b"")]), "unknown GGUF value type 99"),
         "string": (_header(kvs=[("k", 8, struct.pack("<Q", 2**40))]), "is truncated"),
         "duplicate": (_header(kvs=[("k", 4, b"\0" * 4)] * 2), "key 'k' appears twice"),
+        "utf8": (_header(kvs=[("k", 8, struct.pack("<Q", 2) + b"\xff\xfe")]),
+                 r"the string at offset \d+ is not UTF-8 \(invalid start byte\)"),
         "alignment": (_header(kvs=[("general.alignment", 4, struct.pack("<I", 24))]),
                       "general.alignment=24 is not a power of two"),
         "tensor_type": (_header(tensors=1) + struct.pack("<Q", 1) + b"w"
