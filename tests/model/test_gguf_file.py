@@ -30,6 +30,16 @@ _ARRAYS = {
 }
 
 
+def _written(writer, path):
+    """The file of ``writer``'s metadata and one F32 tensor of 256 values."""
+    writer.add_tensor("output_norm.weight", np.arange(256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _every_value_type(tmp_path):
     path = tmp_path / "values.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -40,12 +50,7 @@ def _every_value_type(tmp_path):
         writer.add_key_value(key, values, gguf.GGUFValueType.ARRAY,
                              sub_type=gguf.GGUFValueType[kind])
     writer.add_key_value("t.nested", [[1, 2], [3]], gguf.GGUFValueType.ARRAY)
-    writer.add_tensor("output_norm.weight", np.arange(256, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _written(writer, path)
 
 
 def _assert_reads_as_gguf_reader(path):
@@ -138,12 +143,7 @@ def _write_tokenizer_gguf(tmp_path, arch):
     writer.add_token_merges(["h e", "l l"])
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>"
                              "{% endfor %}")
-    writer.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _written(writer, path)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
