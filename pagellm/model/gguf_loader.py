@@ -430,9 +430,11 @@ def tokenizer_class_for(path: Path) -> Any:
 
     if (path.parent / "tokenizer_config.json").is_file():
         return AutoTokenizer
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
+    try:  # transformers 5's names
+        from transformers import TokenizersBackend
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    except ImportError:
+        return AutoTokenizer
     return TOKENIZER_MAPPING.get(type(load_gguf_config(path)), None) or TokenizersBackend
 
 

@@ -150,7 +150,7 @@ def _write_tokenizer_gguf(tmp_path, arch):
 def test_tokenizer_is_the_one_autotokenizer_builds(tmp_path, arch):
     from transformers import AutoTokenizer
 
-    from pagellm.model.gguf_loader import get_gguf_tokenizer
+    from pagellm.model.gguf_loader import get_gguf_tokenizer, tokenizer_class_for
 
     path = _write_tokenizer_gguf(tmp_path, arch)
     ours = get_gguf_tokenizer(path)
@@ -163,3 +163,6 @@ def test_tokenizer_is_the_one_autotokenizer_builds(tmp_path, arch):
     assert ours.special_tokens_map == theirs.special_tokens_map
     messages = [{"role": "user", "content": "hello"}]
     assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages)
+    # a tokenizer_config.json beside the file may name another class: AutoTokenizer reads it
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert tokenizer_class_for(path) is AutoTokenizer
