@@ -99,11 +99,11 @@ def dequantize(tensor: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
     if type_name in INT8_BLOCK_TYPES and len(shape) == 2:
         codes, scale, *zero = int8_codes(tensor)
-        group = codes.shape[1] // scale.shape[1]
-        values = codes.float().mul_(scale.repeat_interleave(group, dim=1))
+        groups = codes.float().view(*scale.shape, -1)  # [out, groups, group]
+        groups.mul_(scale.unsqueeze(-1))
         if zero:
-            values.add_(zero[0].repeat_interleave(group, dim=1))
-        return values.to(dtype)
+            groups.add_(zero[0].unsqueeze(-1))
+        return groups.view(shape).to(dtype)
     values = gguf_dequantize(tensor.data, tensor.tensor_type)  # float32 (a view for F32)
     if values.shape != shape:
         values = values.reshape(shape)
