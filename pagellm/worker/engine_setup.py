@@ -185,8 +185,9 @@ def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGr
         spec.max_model_len, tp.world_size))
     num_cpu_blocks = args.swap_space_bytes // block_bytes
     _check_fits(args, num_gpu_blocks, spec.max_model_len)
-    if device.type == "cpu":
-        _check_ram(args, num_gpu_blocks * block_bytes)
+    if device.type == "cpu":  # "mp": every rank's cache is on this host
+        local_ranks = tp.world_size if args.distributed_executor_backend == "mp" else 1
+        _check_ram(args, num_gpu_blocks * block_bytes, local_ranks)
     cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size,
                                spec.dtype, device, kv_format, tp.world_size)
     runner = ModelRunner(model, cache_engine, device)
@@ -344,18 +345,22 @@ def _check_fits(args: EngineArgs, num_gpu_blocks: int, max_model_len: int) -> No
             "lower max_model_len")
 
 
-def _check_ram(args: EngineArgs, cache_bytes: int) -> None:
+def _check_ram(args: EngineArgs, cache_bytes: int, local_ranks: int = 1) -> None:
     """A CPU KV cache commits its pages as its blocks fill (cache_engine._allocate_zeroed),
-    so one larger than the RAM available would fail mid-run: it is refused at start. The
-    default (a share of the available RAM) always fits; a rank checks its own cache."""
+    so caches larger than the RAM available would fail mid-run: they are refused at start.
+    ``local_ranks``: the ranks whose caches (each ``cache_bytes``) share this host's RAM. The
+    default size (a share of the available RAM per rank) fits up to 9 ranks."""
     available = available_ram_bytes()
-    if cache_bytes <= available:
+    if cache_bytes * local_ranks <= available:
         return
     setting = (f"num_gpu_blocks_override={args.num_gpu_blocks_override}"
                if args.num_gpu_blocks_override is not None
-               else f"kv_cache_memory_bytes={args.kv_cache_memory_bytes}")
-    raise ValueError(f"the KV cache ({setting}: {cache_bytes} bytes) exceeds the {available} "
-                     "bytes of RAM available; give it less")
+               else f"kv_cache_memory_bytes={args.kv_cache_memory_bytes}"
+               if args.kv_cache_memory_bytes is not None
+               else f"{CPU_KV_CACHE_RAM_SHARE:.0%} of the available RAM per rank")
+    ranks = f" x {local_ranks} ranks on this host" if local_ranks > 1 else ""
+    raise ValueError(f"the KV cache ({setting}: {cache_bytes} bytes{ranks}) exceeds the "
+                     f"{available} bytes of RAM available; give it less")
 
 
 def _log_sizing(args: EngineArgs, num_gpu_blocks: int, num_cpu_blocks: int, block_bytes: int,

@@ -88,6 +88,21 @@ def test_a_cpu_cache_larger_than_the_available_ram_is_refused(tmp_path):
         LLM(str(model), kv_cache_memory_bytes=too_much, max_model_len=64)
 
 
+def test_the_ram_check_counts_the_ranks_on_this_host(monkeypatch):
+    """Under the "mp" backend every rank's cache is on this host: their sum must fit."""
+    from pagellm.config import EngineArgs
+    from pagellm.worker import engine_setup
+
+    monkeypatch.setattr(engine_setup, "available_ram_bytes", lambda: 1000)
+    args = EngineArgs(model="m", kv_cache_memory_bytes=600)
+    engine_setup._check_ram(args, 600)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=600: 600 bytes x 2 ranks on "
+                                         r"this host\) exceeds the 1000 bytes of RAM"):
+        engine_setup._check_ram(args, 600, local_ranks=2)
+    with pytest.raises(ValueError, match=r"\(10% of the available RAM per rank: 1001 bytes\)"):
+        engine_setup._check_ram(EngineArgs(model="m"), 1001)
+
+
 def block_values(engine: CacheEngine, block: int) -> list[float]:
     return [float(k[block].mean()) for k, _ in engine.kv_caches]
 
