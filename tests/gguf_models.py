@@ -210,9 +210,8 @@ def hf_greedy_disagreement(hf_model: Any, prompt: list[int], tokens: list[int]) 
     greedy decoding takes there, so ``tokens`` is that decoding exactly when this is None
     (and ends where it would end, when its last token is the stop token). A fraction of the
     cost of decoding token by token through transformers' KV cache."""
-    import torch
+    from helpers import hf_prompt_logits
 
-    with torch.inference_mode():
-        logits = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
-    chosen = logits.float().argmax(-1).tolist()
+    chosen = hf_prompt_logits(hf_model, prompt + tokens[:-1])[len(prompt) - 1:].argmax(-1)
+    chosen = chosen.tolist()
     return next((k for k, (a, b) in enumerate(zip(chosen, tokens)) if a != b), None)
