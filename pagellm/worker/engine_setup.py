@@ -84,14 +84,23 @@ def resolve_max_model_len(args: EngineArgs, hf_config: Any) -> int:
 
 
 def available_ram_bytes() -> int:
+    return _meminfo_bytes("MemAvailable:", "SC_AVPHYS_PAGES")
+
+
+def total_ram_bytes() -> int:
+    return _meminfo_bytes("MemTotal:", "SC_PHYS_PAGES")
+
+
+def _meminfo_bytes(field: str, sysconf_pages: str) -> int:
+    """A /proc/meminfo field in bytes, else sysconf's page count of the same."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf(sysconf_pages) * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(slots=True)
@@ -122,6 +131,7 @@ def build_components(args: EngineArgs) -> EngineComponents:
     path = resolve_model_path(args.model)
     hf_config = load_config(path)
     check_tensor_parallel(args.tensor_parallel_size, hf_config, device, args.enable_lora)
+    _check_swap_space(args, _local_ranks(args))
     dtype = resolve_dtype(args.dtype, hf_config, device)
     tokenizer = get_tokenizer(args.tokenizer or path)
     generation = load_generation_defaults(path, args.generation_config)
@@ -185,9 +195,8 @@ def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGr
         spec.max_model_len, tp.world_size))
     num_cpu_blocks = args.swap_space_bytes // block_bytes
     _check_fits(args, num_gpu_blocks, spec.max_model_len)
-    if device.type == "cpu":  # "mp": every rank's cache is on this host
-        local_ranks = tp.world_size if args.distributed_executor_backend == "mp" else 1
-        _check_ram(args, num_gpu_blocks * block_bytes, local_ranks)
+    if device.type == "cpu":
+        _check_ram(args, num_gpu_blocks * block_bytes, _local_ranks(args))
     cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size,
                                spec.dtype, device, kv_format, tp.world_size)
     runner = ModelRunner(model, cache_engine, device)
@@ -361,6 +370,34 @@ def _check_ram(args: EngineArgs, cache_bytes: int, local_ranks: int = 1) -> None
     ranks = f" x {local_ranks} ranks on this host" if local_ranks > 1 else ""
     raise ValueError(f"the KV cache ({setting}: {cache_bytes} bytes{ranks}) exceeds the "
                      f"{available} bytes of RAM available; give it less")
+
+
+def _local_ranks(args: EngineArgs) -> int:
+    """The ranks whose memory is on this host as far as it knows: all of them under "mp",
+    this one alone otherwise (Ray places its actors; they may share a host)."""
+    return args.tensor_parallel_size if args.distributed_executor_backend == "mp" else 1
+
+
+SWAP_RAM_SHARE_LIMIT, SWAP_RAM_SHARE_WARNING = 0.7, 0.4  # vLLM's limits
+
+
+def _check_swap_space(args: EngineArgs, local_ranks: int = 1) -> None:
+    """Each rank allocates ``swap_space`` GiB of CPU memory for swapped-out blocks at start
+    (pinned, hence committed, beside a CUDA device; committed as swapped blocks land beside a
+    CPU one). As vLLM does, the ranks on this host together may take at most 70% of its RAM,
+    and more than 40% is warned of: a larger swap space fails to allocate or takes the memory
+    the rest of the host needs."""
+    total = total_ram_bytes()
+    swap = args.swap_space_bytes * local_ranks
+    if swap <= SWAP_RAM_SHARE_WARNING * total:
+        return
+    ranks = f" x {local_ranks} ranks on this host" if local_ranks > 1 else ""
+    what = (f"swap_space={args.swap_space} GiB{ranks} ({swap} bytes) is "
+            f"{swap / total:.0%} of this host's {total} bytes of RAM")
+    if swap > SWAP_RAM_SHARE_LIMIT * total:
+        raise ValueError(f"{what}; at most {SWAP_RAM_SHARE_LIMIT:.0%} may go to the swap "
+                         "space: give it less")
+    logger.warning("%s; the swap space may crowd out the rest of the host", what)
 
 
 def _log_sizing(args: EngineArgs, num_gpu_blocks: int, num_cpu_blocks: int, block_bytes: int,

@@ -103,6 +103,36 @@ def test_the_ram_check_counts_the_ranks_on_this_host(monkeypatch):
         engine_setup._check_ram(EngineArgs(model="m"), 1001)
 
 
+def test_a_swap_space_past_70_percent_of_the_ram_is_refused(tmp_path):
+    """Refused before the model loads, naming the setting and the host's RAM (vLLM's limit):
+    before, it failed in torch's allocator, or took memory the host needed."""
+    from helpers import make_tiny_model
+
+    from pagellm import LLM
+    from pagellm.worker.engine_setup import total_ram_bytes
+
+    model = make_tiny_model(tmp_path, "LlamaForCausalLM")
+    gib = -(-total_ram_bytes() // 2**30)
+    with pytest.raises(ValueError, match=rf"swap_space={gib} GiB \(\d+ bytes\) is 1\d\d% of "
+                                         r"this host's \d+ bytes of RAM; at most 70% may go"):
+        LLM(str(model), swap_space=gib, max_model_len=64)
+
+
+def test_the_swap_check_counts_the_ranks_and_warns_past_40_percent(monkeypatch, caplog):
+    from pagellm.config import EngineArgs
+    from pagellm.worker import engine_setup
+
+    monkeypatch.setattr(engine_setup, "total_ram_bytes", lambda: 10 * 2**30)
+    with caplog.at_level("WARNING", logger=engine_setup.logger.name):
+        engine_setup._check_swap_space(EngineArgs(model="m", swap_space=4))  # 40%: quiet
+        assert not caplog.records
+        engine_setup._check_swap_space(EngineArgs(model="m", swap_space=7))  # 70%: warned
+    assert "swap_space=7 GiB (7516192768 bytes) is 70% of this host's" in caplog.text
+    with pytest.raises(ValueError, match=r"swap_space=4 GiB x 2 ranks on this host "
+                                         r"\(8589934592 bytes\) is 80%"):
+        engine_setup._check_swap_space(EngineArgs(model="m", swap_space=4), local_ranks=2)
+
+
 def block_values(engine: CacheEngine, block: int) -> list[float]:
     return [float(k[block].mean()) for k, _ in engine.kv_caches]
 
