@@ -107,6 +107,42 @@ def test_echo_prepends_prompt(client):
     assert out.choices[0].text.startswith(PROMPT) and len(out.choices[0].text) > len(PROMPT)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, reference_llm):
+    """OpenAI's legacy way to score a text (and vLLM's): the prompt, its tokens' logprobs,
+    no completion, streamed or not."""
+    expected = reference_llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                                      use_tqdm=False)[0]
+    prompt_ids = expected.prompt_token_ids
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True,
+                                    logprobs=1, n=2)
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice in out.choices:
+        assert choice.text == PROMPT and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt_ids) and lp.token_logprobs[0] is None
+        want = [entry[token].logprob for token, entry in zip(prompt_ids[1:],
+                                                             expected.prompt_logprobs[1:])]
+        assert all(abs(got - w) < 1e-4 for got, w in zip(lp.token_logprobs[1:], want))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens,
+            out.usage.total_tokens) == (len(prompt_ids), 0, len(prompt_ids))
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0,
+                                            echo=True, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        len(prompt_ids), 0)
+
+
+def test_max_tokens_0_without_echo_is_a_400_that_names_echo(server):
+    response = httpx.post(f"{server.url}/v1/completions",
+                          headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 0})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+    assert "allowed with echo=true" in response.json()["error"]["message"]
+
+
 def test_chat_greedy_matches_offline_chat_streaming_or_not(client, reference_llm):
     expected = reference_llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16,
                                                            ignore_eos=True), use_tqdm=False)[0]

@@ -3,6 +3,10 @@
 Choice ``i * n + j`` is completion ``j`` of prompt ``i``, as in OpenAI's API. All prompts of a
 call are added to the engine as one group (all or none), so a bad prompt in a batch rejects the
 whole call with a 400 and leaves nothing running.
+
+``echo`` with ``max_tokens=0`` returns the prompt alone (with its logprobs when ``logprobs`` is
+set: how a prompt is scored), as OpenAI's legacy completions and vLLM do: the engine runs the
+prompt's prefill with one token to sample, and that token is dropped from the answer.
 """
 from __future__ import annotations
 
@@ -37,12 +41,16 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("prompt_logprobs is not supported when streaming", 400,
                        "prompt_logprobs")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError("max_tokens must be at least 1, got 0 (0 is allowed with echo=true, "
+                       "which returns the prompt alone)", 400, "max_tokens")
+    echo_only = _echo_only(req)
     prompts = [(text, truncate_prompt(req, ids)) for text, ids in await _prompts(ctx, req.prompt)]
     if req.truncate_prompt_tokens is not None:  # echo shows the prompt the model saw
         prompts = [(await ctx.tokenization.decode(ids, "prompt"), ids) for _, ids in prompts]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
-    params = sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs,
-                             await request_constraint(ctx, req))
+    params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
+                             prompt_logprobs, await request_constraint(ctx, req))
     base_id = random_id("cmpl")
     salt = ctx.cache_salt(req, raw)
     requests = [NewRequest(f"{base_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, params,
@@ -59,10 +67,18 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     choices = [_choice(ctx, req, order[o.request_id], o, texts[order[o.request_id]])
                for o in outputs]
     choices = [c for group in choices for c in group]
+    usage = usage_of(outputs)
+    if echo_only:
+        usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
     response = CompletionResponse(id=base_id, model=ctx.response_model(req.model), choices=choices,
-                                  usage=usage_of(outputs),
+                                  usage=usage,
                                   system_fingerprint=ctx.system_fingerprint)
     return JSONResponse(response.model_dump(mode="json"))
+
+
+def _echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens=0``: the prompt alone, no completion."""
+    return req.echo and req.max_tokens == 0
 
 
 async def _prompts(ctx: ServerContext, prompt) -> list[tuple[str, list[int]]]:
@@ -93,6 +109,7 @@ async def _prompts(ctx: ServerContext, prompt) -> list[tuple[str, list[int]]]:
 def _choice(ctx: ServerContext, req: CompletionRequest, prompt_index: int, output: RequestOutput,
             prompt_text: str) -> list[CompletionChoice]:
     choices = []
+    echo_only = _echo_only(req)
     for c in output.outputs:
         prefix = prompt_text if req.echo else ""
         logprobs = None
@@ -101,11 +118,13 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt_index: int, outpu
             if req.echo:
                 _append_logprobs(logprobs, output.prompt_token_ids,
                                  output.prompt_logprobs or [], ctx, 0)
-            _append_logprobs(logprobs, c.token_ids, c.logprobs or [], ctx, len(prefix))
+            if not echo_only:
+                _append_logprobs(logprobs, c.token_ids, c.logprobs or [], ctx, len(prefix))
         choices.append(CompletionChoice(index=prompt_index * req.n + c.index,
-                                        text=prefix + c.text, logprobs=logprobs,
-                                        finish_reason=c.finish_reason,
-                                        stop_reason=c.stop_reason,
+                                        text=prefix + ("" if echo_only else c.text),
+                                        logprobs=logprobs,
+                                        finish_reason="length" if echo_only else c.finish_reason,
+                                        stop_reason=None if echo_only else c.stop_reason,
                                         prompt_logprobs=(prompt_logprobs_of(ctx, output)
                                                          if req.prompt_logprobs is not None
                                                          else None)))
@@ -145,6 +164,7 @@ async def _stream_chunks(ctx: ServerContext, req: CompletionRequest, stream: Out
     """The engine's DELTA outputs as chunks."""
     created = int(time.time())
     tracker = DeltaTracker()
+    echo_only = _echo_only(req)
     offsets: dict[tuple[str, int], int] = {}  # text offset of each choice's next token
     try:
         async for updates in stream:
@@ -157,7 +177,13 @@ async def _stream_chunks(ctx: ServerContext, req: CompletionRequest, stream: Out
                     d = tracker.delta(output.request_id, c)
                     if d is None:
                         continue
-                    text = (texts[prompt_index] if req.echo and d.first else "") + d.text
+                    text = ((texts[prompt_index] if req.echo and d.first else "")
+                            + ("" if echo_only else d.text))
+                    if echo_only:  # the prompt once, finished when its request is; the
+                        # sampled token is not part of the answer nor of the usage
+                        d.finish_reason = "length" if d.finish_reason else None
+                        d.stop_reason = None
+                        tracker.completion_tokens -= len(c.token_ids)
                     logprobs = None
                     if req.logprobs is not None:
                         key = (output.request_id, c.index)
