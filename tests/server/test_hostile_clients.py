@@ -115,6 +115,13 @@ def _max_health_latency(server, work) -> float:
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hello world " * 500_000},
      ["characters", "max_model_len"]),
     ("/detokenize", {"tokens": [5] * 2_000_000}, ["2000000 token ids", "512"]),
+    # ~12 MB of small messages: validating them took seconds of the event loop
+    ("/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 2,
+                              "messages": [{"role": "user", "content": "hi there"}] * 300_000},
+     ["300001 JSON objects", "limit of 20000"]),
+    ("/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}] * 300_000}]},
+     ["300002 JSON objects", "limit of 20000"]),
 ])
 def test_huge_inputs_are_refused_without_stalling_others(hardened, path, body, words):
     payload = json.dumps(body).encode()

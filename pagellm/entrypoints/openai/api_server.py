@@ -12,8 +12,9 @@ set, every route but ``/health`` and the dashboard's files demands one: ``/metri
 holds a key for ``/stats/blocks``.
 
 What one client may cost is bounded (``ServerConfig``): the body size, the time to send the
-request head and the body, the number of connections, and, through the tokenizer worker
-(tokenization.py), the time the event loop spends on its text.
+request head and the body, the number of connections, and, through the body parser
+(request_body.py) and the tokenizer worker (tokenization.py), the time the event loop spends
+on its JSON and its text.
 
 Shutdown on SIGINT/SIGTERM: new requests get 503, requests in flight are aborted (their streams
 end at once and their KV blocks are freed), uvicorn closes the connections, then the engine loop
@@ -42,6 +43,7 @@ from pagellm.entrypoints.openai.http_guard import RequestBodyGuard, guarded_h11_
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                  DetokenizeRequest, ModelCard, ModelList,
                                                  TokenizeRequest)
+from pagellm.entrypoints.openai.request_body import BodyParser
 from pagellm.entrypoints.openai.server_config import ServerConfig
 from pagellm.entrypoints.openai.serving import ServerContext
 from pagellm.entrypoints.openai.tokenization import TokenizerWorker, own_copy
@@ -65,6 +67,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
                         loras=_lora_models(engine, config, served_model_names),
                         system_fingerprint=_fingerprint(engine),
                         chat=config)
+    bodies = BodyParser()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -74,6 +77,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
         finally:
             engine.shutdown()
             ctx.tokenization.shutdown()
+            bodies.shutdown()
 
     app = FastAPI(title="pagellm OpenAI-compatible server", lifespan=lifespan)
     app.state.ctx = ctx
@@ -85,9 +89,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
                            allow_methods=["*"], allow_headers=["*"], allow_credentials=False)
     app.add_middleware(RequestBodyGuard, max_bytes=config.max_request_body_bytes,
                        timeout_s=config.body_timeout_s)
-    _add_openai_routes(app, ctx)
-    add_lora_routes(app, ctx.loras, ctx.served_model_names)
-    _add_server_routes(app, ctx, metrics)
+    _add_openai_routes(app, ctx, bodies)
+    add_lora_routes(app, ctx.loras, ctx.served_model_names, bodies)
+    _add_server_routes(app, ctx, metrics, bodies)
     return app
 
 
@@ -99,13 +103,15 @@ def _fingerprint(engine: AsyncLLMEngine) -> str:
     return "fp_" + hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
+def _add_openai_routes(app: FastAPI, ctx: ServerContext, bodies: BodyParser) -> None:
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
+    async def completions(raw: Request, body: CompletionRequest = bodies.dependency(
+            CompletionRequest)):
         return await create_completion(ctx, body, raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+    async def chat_completions(raw: Request, body: ChatCompletionRequest = bodies.dependency(
+            ChatCompletionRequest)):
         return await create_chat_completion(ctx, body, raw)
 
     @app.post("/v1/embeddings")
@@ -138,7 +144,8 @@ def _lora_models(engine: AsyncLLMEngine, config: ServerConfig,
     return loras
 
 
-def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics) -> None:
+def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics,
+                       bodies: BodyParser) -> None:
     @app.get("/health")
     async def health() -> Response:
         if not ctx.engine.is_running:
@@ -174,7 +181,7 @@ def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics)
     _add_dashboard_routes(app)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeRequest = bodies.dependency(TokenizeRequest)) -> dict:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of 'prompt' and 'messages'", 400)
@@ -185,7 +192,8 @@ def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(body: DetokenizeRequest = bodies.dependency(DetokenizeRequest)
+                         ) -> dict:
         ctx.check_model(body.model)
         return {"prompt": await ctx.tokenization.decode(body.tokens, "tokens")}
 

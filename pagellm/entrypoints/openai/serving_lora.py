@@ -16,6 +16,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from pagellm.core.async_engine import AsyncLLMEngine
+from pagellm.entrypoints.openai.request_body import BodyParser
 from pagellm.entrypoints.openai.errors import APIError, api_error_from_exception
 from pagellm.entrypoints.openai.protocol import ModelCard
 from pagellm.lora.request import LoRARequest
@@ -84,7 +85,8 @@ class LoRAModels:
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 
-def add_lora_routes(app: FastAPI, loras: LoRAModels | None, served_names: list[str]) -> None:
+def add_lora_routes(app: FastAPI, loras: LoRAModels | None, served_names: list[str],
+                    bodies: BodyParser) -> None:
     def enabled() -> LoRAModels:
         if loras is None:
             raise APIError("LoRA adapters are not enabled: start the server with "
@@ -92,9 +94,11 @@ def add_lora_routes(app: FastAPI, loras: LoRAModels | None, served_names: list[s
         return loras
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest = bodies.dependency(
+            LoadLoRAAdapterRequest)) -> PlainTextResponse:
         return PlainTextResponse(await enabled().load(body, served_names))
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest = bodies.dependency(
+            UnloadLoRAAdapterRequest)) -> PlainTextResponse:
         return PlainTextResponse(await enabled().unload(body))
