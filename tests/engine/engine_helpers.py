@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import helpers
 import torch
 
 ARCH_OVERRIDES = {
@@ -34,20 +35,10 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int,
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     results, all_logprobs = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model(ids, use_cache=True)
-            tokens, logprobs = [], []
-            for _ in range(max_tokens):
-                last = out.logits[0, -1].float()
-                token = int(last.argmax())
-                tokens.append(token)
-                logprobs.append(torch.log_softmax(last, -1))
-                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values,
-                            use_cache=True)
-            results.append(tokens)
-            all_logprobs.append(logprobs)
+    for prompt in prompts:
+        tokens, _, logits = helpers.hf_greedy(model, prompt, max_tokens, return_logits=True)
+        results.append(tokens)
+        all_logprobs.append(list(torch.log_softmax(logits, -1)))
     return (results, all_logprobs) if return_logprobs else results
 
 
