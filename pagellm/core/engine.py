@@ -47,6 +47,10 @@ PromptType = str | list[int] | dict[str, Any]
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class EngineDeadError(RuntimeError):
     """The engine itself failed (several steps in a row): no request can be served."""
 
@@ -133,8 +137,11 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty: it must hold at least one token")
         vocab = self.hf_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in token_ids if not _is_int(t) or not 0 <= t < vocab), None)
         if bad is not None:
+            if not _is_int(bad):
+                raise ValueError(f"prompt token ids must be Python ints, got {bad!r} "
+                                 f"({type(bad).__name__})")
             raise ValueError(f"prompt token id {bad!r} is out of range [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(

@@ -136,6 +136,9 @@ def _apply_template(tokenizer, conversation: ChatMessages, add_generation_prompt
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a str, a dict, a list of token ids or a list of "
+                        f"those, got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids

@@ -55,6 +55,12 @@ def test_too_long_prompt_is_rejected_and_engine_goes_on(llm):
         engine.add_request("bad", {"prompt_token_ids": [5, 10**6]}, SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("empty", {"prompt_token_ids": []}, SamplingParams())
+    for not_int, name in ((1.5, "float"), (True, "bool"), ("7", "str")):
+        with pytest.raises(ValueError, match=rf"token ids must be Python ints, got .* \({name}\)"):
+            engine.add_request("typed", {"prompt_token_ids": [5, not_int]}, SamplingParams())
+    for not_prompts in (None, 5):
+        with pytest.raises(TypeError, match="prompts must be a str, a dict, a list of token ids"):
+            llm.generate(not_prompts, use_tqdm=False)
     out = llm.generate("still serving", SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
 
