@@ -49,6 +49,9 @@ def test_engine_flags_parse_to_engine_args():
     assert args.enable_prefix_caching is False and args.max_model_len == 1024
     assert args.preemption_mode == "recompute" and args.num_gpu_blocks_override is None
     assert ns.api_key == ["k"] and ns.host == "127.0.0.1" and ns.port == 8000
+    assert ns.max_request_json_objects == 20_000
+    assert parser.parse_args(["serve", "m", "--max-request-json-objects", "50000"]
+                             ).max_request_json_objects == 50_000
 
 
 def test_bad_engine_flag_value_names_the_field():

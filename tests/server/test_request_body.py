@@ -22,8 +22,9 @@ def test_the_object_limit_counts_every_dict_at_any_depth():
     parsed = request_body.parse_body(chat(limit - 1), ChatCompletionRequest)  # + the top
     assert len(parsed.messages) == limit - 1
     with pytest.raises(APIError, match=rf"holds {limit + 1} JSON objects, more than the "
-                                       rf"limit of {limit} \(MAX_JSON_OBJECTS\)"):
+                                       rf"limit of {limit} \(--max-request-json-objects\)"):
         request_body.parse_body(chat(limit), ChatCompletionRequest)
+    assert len(request_body.parse_body(chat(limit), ChatCompletionRequest, limit + 1).messages)
 
 
 def test_errors_are_fastapi_s_validation_errors_under_body():

@@ -55,6 +55,11 @@ def _add_limit_flags(p) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=defaults.max_request_body_bytes,
                    help="larger request bodies get 413, also when sent chunked "
                         "(default: %(default)s)")
+    p.add_argument("--max-request-json-objects", type=int,
+                   default=defaults.max_request_json_objects,
+                   help="request bodies with more JSON objects (messages, content parts, schema "
+                        "nodes) get 400 before they are validated, which would hold the event "
+                        "loop (default: %(default)s)")
     p.add_argument("--header-timeout", type=float, default=defaults.header_timeout_s,
                    help="seconds a client has to send a request's head (line and headers) "
                         "before 408 and close (default: %(default)s)")
@@ -166,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
                           served_model_names=tuple(names),
                           uvicorn_log_level=args.uvicorn_log_level,
                           max_request_body_bytes=args.max_request_body_bytes,
+                          max_request_json_objects=args.max_request_json_objects,
                           header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                           timeout_keep_alive_s=args.timeout_keep_alive,
                           limit_concurrency=args.limit_concurrency,

@@ -67,7 +67,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
                         loras=_lora_models(engine, config, served_model_names),
                         system_fingerprint=_fingerprint(engine),
                         chat=config)
-    bodies = BodyParser()
+    bodies = BodyParser(config.max_request_json_objects)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -11,9 +11,9 @@ throughout. So routes take their body from ``BodyParser.dependency(Model)``:
   do); larger ones on one worker thread, one at a time;
 - there, after ``json.loads`` (one call, about 15 ms per MiB), the JSON objects of the body are
   counted in Python (the loop keeps its share of the interpreter meanwhile), and a body of more
-  than ``MAX_JSON_OBJECTS`` objects (messages, content parts, tool call and schema nodes) is a
-  400 naming both numbers, before pydantic sees it: what pydantic then validates in one call
-  is bounded;
+  than ``max_objects`` (``--max-request-json-objects``, default ``MAX_JSON_OBJECTS``) objects
+  (messages, content parts, tool call and schema nodes) is a 400 naming both numbers, before
+  pydantic sees it: what pydantic then validates in one call is bounded;
 - JSON nested deeper than ``json`` decodes is a 400 that says so.
 
 Other errors are FastAPI's own: a body that is not JSON, or JSON that fails validation, raises
@@ -42,7 +42,7 @@ MAX_JSON_OBJECTS = 20_000
 Model = TypeVar("Model", bound=BaseModel)
 
 
-def parse_body(body: bytes, model: type[Model]) -> Model:
+def parse_body(body: bytes, model: type[Model], max_objects: int = MAX_JSON_OBJECTS) -> Model:
     """``model`` from a JSON body, or the errors FastAPI would raise for it (and the 400s of
     the module docstring)."""
     try:
@@ -56,9 +56,9 @@ def parse_body(body: bytes, model: type[Model]) -> Model:
     except RecursionError:
         raise APIError("the request body's JSON is nested too deeply to decode", 400) from None
     objects = count_objects(data)
-    if objects > MAX_JSON_OBJECTS:
+    if objects > max_objects:
         raise APIError(f"the request body holds {objects} JSON objects, more than the limit of "
-                       f"{MAX_JSON_OBJECTS} (MAX_JSON_OBJECTS)", 400)
+                       f"{max_objects} (--max-request-json-objects)", 400)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -82,16 +82,18 @@ def count_objects(data: object) -> int:
 class BodyParser:
     """Parses large bodies on one worker thread (``shutdown`` stops it)."""
 
-    def __init__(self, inline_bytes: int = INLINE_BYTES) -> None:
+    def __init__(self, max_objects: int = MAX_JSON_OBJECTS,
+                 inline_bytes: int = INLINE_BYTES) -> None:
+        self.max_objects = max_objects
         self.inline_bytes = inline_bytes
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-body")
 
     async def parse(self, raw: Request, model: type[Model]) -> Model:
         body = await raw.body()
         if len(body) <= self.inline_bytes:
-            return parse_body(body, model)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, parse_body,
-                                                                body, model)
+            return parse_body(body, model, self.max_objects)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, parse_body, body, model, self.max_objects)
 
     def dependency(self, model: type[Model]) -> Model:
         """A route parameter's default: the body as ``model``."""

@@ -13,7 +13,9 @@ class ServerConfig:
     """How the server listens and what one client may cost it.
 
     ``max_request_body_bytes``: larger bodies get 413 (far above any prompt that fits a
-    context, far below what would hurt the server's memory). ``header_timeout_s`` /
+    context, far below what would hurt the server's memory). ``max_request_json_objects``: a
+    body of more JSON objects (messages, content parts, schema nodes) gets 400 before it is
+    validated (request_body.py). ``header_timeout_s`` /
     ``body_timeout_s``: a request head / body not fully arrived in that time gets 408 and the
     connection closes (slow clients cannot hold connections open). ``limit_concurrency``: more
     connections or requests in progress than this get uvicorn's 503. ``timeout_keep_alive_s``:
@@ -28,6 +30,7 @@ class ServerConfig:
     uvicorn_log_level: str = "info"
     timeout_graceful_shutdown: float = 10.0
     max_request_body_bytes: int = 16 << 20
+    max_request_json_objects: int = 20_000
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     timeout_keep_alive_s: float = 5.0
