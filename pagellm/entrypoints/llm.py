@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pagellm.config import EngineArgs
@@ -136,7 +136,7 @@ def _apply_template(tokenizer, conversation: ChatMessages, add_generation_prompt
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if not isinstance(prompts, Sequence):
+    if not isinstance(prompts, Iterable):
         raise TypeError(f"prompts must be a str, a dict, a list of token ids or a list of "
                         f"those, got {type(prompts).__name__}")
     prompts = list(prompts)

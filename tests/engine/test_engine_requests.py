@@ -61,7 +61,8 @@ def test_too_long_prompt_is_rejected_and_engine_goes_on(llm):
     for not_prompts in (None, 5):
         with pytest.raises(TypeError, match="prompts must be a str, a dict, a list of token ids"):
             llm.generate(not_prompts, use_tqdm=False)
-    out = llm.generate("still serving", SamplingParams(max_tokens=3), use_tqdm=False)
+    out = llm.generate((p for p in ["still serving"]), SamplingParams(max_tokens=3),
+                       use_tqdm=False)  # any iterable of prompts
     assert len(out[0].outputs[0].token_ids) == 3
 
 
