@@ -12,6 +12,7 @@ carries each step's plan to the actors and their acknowledgements back.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -34,14 +35,14 @@ class RankActor:
         self.worker: Any = None
 
     def start(self, spec: Any, rank: int, world_size: int, init_method: str, device_type: str,
-              num_threads: int) -> int:
+              num_threads: int, local_ranks: int) -> int:
         from pagellm.worker.engine_setup import build_rank_worker
 
         torch.set_num_threads(num_threads)
         # Ray gives a GPU actor its device as the only visible one
         device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
         group = init_distributed(rank, world_size, init_method, device, TIMEOUT_S)
-        self.worker = build_rank_worker(spec, device, group).worker
+        self.worker = build_rank_worker(spec, device, group, local_ranks).worker
         return os.getpid()
 
     def execute_model(self, plan: SchedulerOutput) -> None:
@@ -49,6 +50,18 @@ class RankActor:
 
     def shutdown(self) -> None:
         destroy_distributed()
+
+
+def _ranks_per_node(placement_group: Any, bundles: int) -> list[int]:
+    """For each rank (0: the driver, r: bundle r - 1), how many of the ranks share its node,
+    whose RAM their CPU KV caches and swap spaces share."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    bundle_nodes = placement_group_table(placement_group)["bundles_to_node_id"]
+    nodes = [ray.get_runtime_context().get_node_id(),
+             *(bundle_nodes[i] for i in range(bundles))]
+    return [nodes.count(node) for node in nodes]
 
 
 class RayExecutor:
@@ -77,6 +90,7 @@ class RayExecutor:
         self.actors: list[Any] = []
         try:
             ray.get(self.placement_group.ready(), timeout=TIMEOUT_S)
+            local_ranks = _ranks_per_node(self.placement_group, self.world_size - 1)
             host = ray.util.get_node_ip_address()
             init_method = f"tcp://{host}:{free_port(host)}"
             actor_class = ray.remote(num_cpus=0 if device.type == "cuda" else 1,
@@ -85,10 +99,12 @@ class RayExecutor:
                 self.placement_group, placement_group_bundle_index=i)).remote()
                 for i in range(self.world_size - 1)]
             starts = [actor.start.remote(spec, rank, self.world_size, init_method,
-                                         device.type, torch.get_num_threads())
+                                         device.type, torch.get_num_threads(),
+                                         local_ranks[rank])
                       for rank, actor in enumerate(self.actors, start=1)]
-            self.tp_group, self.driver = self._start_driver(spec, device, init_method,
-                                                            build_rank_worker, starts)
+            self.tp_group, self.driver = self._start_driver(
+                spec, device, init_method, functools.partial(build_rank_worker,
+                                                             local_ranks=local_ranks[0]), starts)
         except BaseException:
             self.shutdown()
             raise

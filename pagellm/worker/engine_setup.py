@@ -131,7 +131,8 @@ def build_components(args: EngineArgs) -> EngineComponents:
     path = resolve_model_path(args.model)
     hf_config = load_config(path)
     check_tensor_parallel(args.tensor_parallel_size, hf_config, device, args.enable_lora)
-    _check_swap_space(args, _local_ranks(args))
+    if args.tensor_parallel_size == 1 or args.distributed_executor_backend == "mp":
+        _check_swap_space(args, _local_ranks(args))  # Ray: each rank, on its host
     dtype = resolve_dtype(args.dtype, hf_config, device)
     tokenizer = get_tokenizer(args.tokenizer or path)
     generation = load_generation_defaults(path, args.generation_config)
@@ -174,12 +175,18 @@ def _grammar_eos(tokenizer: Any, eos_token_ids: frozenset[int]) -> int | None:
     return min(eos_token_ids) if eos_token_ids else None
 
 
-def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGroup
-                      ) -> RankWorker:
+def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGroup,
+                      local_ranks: int | None = None) -> RankWorker:
     """Load this rank's shard of the model, size the KV cache (the minimum over the ranks,
     so that every rank holds every block the driver's block tables name) and build the
-    worker. Every rank runs this at once: the sizing is a collective."""
+    worker. Every rank runs this at once: the sizing is a collective. ``local_ranks``: the
+    ranks on this rank's host where the executor knows it per rank (Ray, whose actors may
+    share hosts or not; its swap space is checked here then), else ``_local_ranks``."""
     args = spec.args
+    if local_ranks is None:
+        local_ranks = _local_ranks(args)
+    else:
+        _check_swap_space(args, local_ranks)
     torch.manual_seed(args.seed)
     model, hf_config = load_model(spec.path, dtype=spec.dtype, device=device,
                                   allow_pickle=args.allow_pickle_weights, tp=tp,
@@ -196,7 +203,7 @@ def build_rank_worker(spec: RankSpec, device: torch.device, tp: TensorParallelGr
     num_cpu_blocks = args.swap_space_bytes // block_bytes
     _check_fits(args, num_gpu_blocks, spec.max_model_len)
     if device.type == "cpu":
-        _check_ram(args, num_gpu_blocks * block_bytes, _local_ranks(args))
+        _check_ram(args, num_gpu_blocks * block_bytes, local_ranks)
     cache_engine = CacheEngine(hf_config, num_gpu_blocks, num_cpu_blocks, args.block_size,
                                spec.dtype, device, kv_format, tp.world_size)
     runner = ModelRunner(model, cache_engine, device)
@@ -373,8 +380,8 @@ def _check_ram(args: EngineArgs, cache_bytes: int, local_ranks: int = 1) -> None
 
 
 def _local_ranks(args: EngineArgs) -> int:
-    """The ranks whose memory is on this host as far as it knows: all of them under "mp",
-    this one alone otherwise (Ray places its actors; they may share a host)."""
+    """The ranks whose memory is on this host as far as the arguments tell: all of them under
+    "mp", this one alone otherwise (Ray tells each rank its own count, build_rank_worker)."""
     return args.tensor_parallel_size if args.distributed_executor_backend == "mp" else 1
 
 

@@ -43,3 +43,17 @@ def test_ray_actors_give_the_same_tokens(engines, tiny_models, local_ray):
     finally:
         llm.shutdown()
     assert local_ray.util.placement_group_table(executor.placement_group)["state"] == "REMOVED"
+
+
+def test_ranks_on_one_host_are_counted_together_by_the_ram_check(tiny_models, local_ray):
+    """The placement group put the actor on this host beside the driver: a KV cache each rank
+    could hold alone but not both together is refused (each rank counts the ranks on its
+    host), where each rank checking only itself would start and run out of RAM later."""
+    from pagellm.worker.engine_setup import available_ram_bytes
+
+    per_rank = int(0.6 * available_ram_bytes())
+    settings = {**BASE_KWARGS, "kv_cache_memory_bytes": per_rank}
+    with pytest.raises(ValueError, match=r"bytes x 2 ranks on this host\) exceeds the \d+ "
+                                         r"bytes of RAM available"):
+        LLM(str(tiny_models("qwen2")), tensor_parallel_size=2,
+            distributed_executor_backend="ray", **settings)
