@@ -77,3 +77,19 @@ def test_dead_engine_answers_503(tokenizer):
     assert first.status_code == 503 and "engine loop failed" in first.json()["error"]["message"]
     assert health.status_code == 503 and later.status_code == 503
     assert later.json()["error"]["type"] == "service_unavailable"
+
+
+def test_openapi_document_describes_the_bodies_parsed_off_the_loop(tokenizer):
+    """The routes take their bodies through request_body.BodyParser, not FastAPI's own
+    parameters; /openapi.json still names each body's schema, its nested models included."""
+    document = call(FakeEngine(tokenizer), [("GET", "/openapi.json", None)])[0].json()
+    schemas = document["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"),
+                        ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert "model" in schemas[model]["properties"]
+    messages = schemas["ChatCompletionRequest"]["properties"]["messages"]
+    assert messages["items"] == {"$ref": "#/components/schemas/ChatMessage"}
+    assert "role" in schemas["ChatMessage"]["properties"]

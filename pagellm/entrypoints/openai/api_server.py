@@ -92,6 +92,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], metrics: En
     _add_openai_routes(app, ctx, bodies)
     add_lora_routes(app, ctx.loras, ctx.served_model_names, bodies)
     _add_server_routes(app, ctx, metrics, bodies)
+    bodies.install_openapi(app)
     return app
 
 
@@ -104,12 +105,12 @@ def _fingerprint(engine: AsyncLLMEngine) -> str:
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServerContext, bodies: BodyParser) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=bodies.openapi(CompletionRequest))
     async def completions(raw: Request, body: CompletionRequest = bodies.dependency(
             CompletionRequest)):
         return await create_completion(ctx, body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=bodies.openapi(ChatCompletionRequest))
     async def chat_completions(raw: Request, body: ChatCompletionRequest = bodies.dependency(
             ChatCompletionRequest)):
         return await create_chat_completion(ctx, body, raw)
@@ -180,7 +181,7 @@ def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics,
 
     _add_dashboard_routes(app)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=bodies.openapi(TokenizeRequest))
     async def tokenize(body: TokenizeRequest = bodies.dependency(TokenizeRequest)) -> dict:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -191,7 +192,7 @@ def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics,
             ids = await ctx.tokenization.encode(body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=bodies.openapi(DetokenizeRequest))
     async def detokenize(body: DetokenizeRequest = bodies.dependency(DetokenizeRequest)
                          ) -> dict:
         ctx.check_model(body.model)

@@ -18,17 +18,20 @@ throughout. So routes take their body from ``BodyParser.dependency(Model)``:
 
 Other errors are FastAPI's own: a body that is not JSON, or JSON that fails validation, raises
 ``RequestValidationError`` with the same error entries (locations under ``body``), and the
-server's handler turns them into the same OpenAI-style 400s.
+server's handler turns them into the same OpenAI-style 400s. The OpenAPI document
+(``/openapi.json``, ``/docs``) still describes each route's body: ``openapi(Model)`` for the
+route's ``openapi_extra``, and ``install_openapi`` adds the models' schemas to it.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from fastapi import Depends, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -87,6 +90,7 @@ class BodyParser:
         self.max_objects = max_objects
         self.inline_bytes = inline_bytes
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-body")
+        self.models: dict[str, type[BaseModel]] = {}  # documented in the OpenAPI schema
 
     async def parse(self, raw: Request, model: type[Model]) -> Model:
         body = await raw.body()
@@ -101,6 +105,28 @@ class BodyParser:
             return await self.parse(raw, model)
 
         return Depends(body)
+
+    def openapi(self, model: type[BaseModel]) -> dict[str, Any]:
+        """A route's ``openapi_extra``: its JSON body is ``model``."""
+        self.models[model.__name__] = model
+        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+        return {"requestBody": {"required": True,
+                                "content": {"application/json": {"schema": ref}}}}
+
+    def install_openapi(self, app: FastAPI) -> None:
+        """``app.openapi`` with the schemas of the models ``openapi`` named."""
+        def schema() -> dict[str, Any]:
+            if app.openapi_schema is None:
+                document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+                components = document.setdefault("components", {}).setdefault("schemas", {})
+                for name, model in self.models.items():
+                    body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                    components.update(body.pop("$defs", {}))
+                    components[name] = body
+                app.openapi_schema = document
+            return app.openapi_schema
+
+        app.openapi = schema
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -93,12 +93,13 @@ def add_lora_routes(app: FastAPI, loras: LoRAModels | None, served_names: list[s
                            "--enable-lora", 400)
         return loras
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", openapi_extra=bodies.openapi(LoadLoRAAdapterRequest))
     async def load_lora_adapter(body: LoadLoRAAdapterRequest = bodies.dependency(
             LoadLoRAAdapterRequest)) -> PlainTextResponse:
         return PlainTextResponse(await enabled().load(body, served_names))
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter",
+              openapi_extra=bodies.openapi(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest = bodies.dependency(
             UnloadLoRAAdapterRequest)) -> PlainTextResponse:
         return PlainTextResponse(await enabled().unload(body))
