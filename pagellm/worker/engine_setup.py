@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -132,7 +133,8 @@ def build_components(args: EngineArgs) -> EngineComponents:
     hf_config = load_config(path)
     check_tensor_parallel(args.tensor_parallel_size, hf_config, device, args.enable_lora)
     if args.tensor_parallel_size == 1 or args.distributed_executor_backend == "mp":
-        _check_swap_space(args, _local_ranks(args))  # Ray: each rank, on its host
+        # Ray: each rank, on its host
+        args = _check_swap_space(args, _local_ranks(args), shrink_default=True)
     dtype = resolve_dtype(args.dtype, hf_config, device)
     tokenizer = get_tokenizer(args.tokenizer or path)
     generation = load_generation_defaults(path, args.generation_config)
@@ -388,23 +390,36 @@ def _local_ranks(args: EngineArgs) -> int:
 SWAP_RAM_SHARE_LIMIT, SWAP_RAM_SHARE_WARNING = 0.7, 0.4  # vLLM's limits
 
 
-def _check_swap_space(args: EngineArgs, local_ranks: int = 1) -> None:
+def _check_swap_space(args: EngineArgs, local_ranks: int = 1,
+                      shrink_default: bool = False) -> EngineArgs:
     """Each rank allocates ``swap_space`` GiB of CPU memory for swapped-out blocks at start
     (pinned, hence committed, beside a CUDA device; committed as swapped blocks land beside a
     CPU one). As vLLM does, the ranks on this host together may take at most 70% of its RAM,
     and more than 40% is warned of: a larger swap space fails to allocate or takes the memory
-    the rest of the host needs."""
+    the rest of the host needs. With ``shrink_default`` (every rank on this host, so that all
+    of them get the same value), the default 4 GiB on a small host is lowered to 40% of its
+    RAM instead, with a warning: a default must not refuse to start. Returns the args to use."""
     total = total_ram_bytes()
     swap = args.swap_space_bytes * local_ranks
     if swap <= SWAP_RAM_SHARE_WARNING * total:
-        return
+        return args
     ranks = f" x {local_ranks} ranks on this host" if local_ranks > 1 else ""
     what = (f"swap_space={args.swap_space} GiB{ranks} ({swap} bytes) is "
             f"{swap / total:.0%} of this host's {total} bytes of RAM")
+    if shrink_default and args.swap_space == _DEFAULT_SWAP_SPACE:
+        gib = math.floor(SWAP_RAM_SHARE_WARNING * total / local_ranks / 2**30 * 100) / 100
+        logger.warning("%s, the default: using swap_space=%.2f GiB (%.0f%% of the RAM%s) "
+                       "instead; set swap_space to choose", what, gib,
+                       100 * SWAP_RAM_SHARE_WARNING, " over the ranks" if ranks else "")
+        return replace(args, swap_space=gib)
     if swap > SWAP_RAM_SHARE_LIMIT * total:
         raise ValueError(f"{what}; at most {SWAP_RAM_SHARE_LIMIT:.0%} may go to the swap "
                          "space: give it less")
     logger.warning("%s; the swap space may crowd out the rest of the host", what)
+    return args
+
+
+_DEFAULT_SWAP_SPACE = {f.name: f.default for f in fields(EngineArgs)}["swap_space"]
 
 
 def _log_sizing(args: EngineArgs, num_gpu_blocks: int, num_cpu_blocks: int, block_bytes: int,

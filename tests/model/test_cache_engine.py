@@ -133,6 +133,27 @@ def test_the_swap_check_counts_the_ranks_and_warns_past_40_percent(monkeypatch, 
         engine_setup._check_swap_space(EngineArgs(model="m", swap_space=4), local_ranks=2)
 
 
+def test_the_default_swap_space_shrinks_on_a_small_host(monkeypatch, caplog):
+    """4 GiB (the default) on a 4 GiB host would be refused; a default must not refuse to
+    start: it becomes 40% of the RAM (over the ranks on the host), with a warning. A value
+    the user set is refused as before."""
+    from pagellm.config import EngineArgs
+    from pagellm.worker import engine_setup
+
+    monkeypatch.setattr(engine_setup, "total_ram_bytes", lambda: 4 * 2**30)
+    default = EngineArgs(model="m")
+    with caplog.at_level("WARNING", logger=engine_setup.logger.name):
+        assert engine_setup._check_swap_space(default, shrink_default=True).swap_space == 1.6
+        assert engine_setup._check_swap_space(default, 2, shrink_default=True).swap_space == 0.8
+    assert "the default: using swap_space=1.60 GiB (40% of the RAM)" in caplog.text
+    assert default.swap_space == 4.0  # the caller's args are left alone
+    with pytest.raises(ValueError, match="swap_space=3.5 GiB"):
+        engine_setup._check_swap_space(EngineArgs(model="m", swap_space=3.5),
+                                       shrink_default=True)
+    with pytest.raises(ValueError, match="swap_space=4.0 GiB"):  # the Ray ranks' own check
+        engine_setup._check_swap_space(default)
+
+
 def block_values(engine: CacheEngine, block: int) -> list[float]:
     return [float(k[block].mean()) for k, _ in engine.kv_caches]
 
