@@ -376,9 +376,12 @@ def _check_ram(args: EngineArgs, cache_bytes: int, local_ranks: int = 1) -> None
                else f"kv_cache_memory_bytes={args.kv_cache_memory_bytes}"
                if args.kv_cache_memory_bytes is not None
                else f"{CPU_KV_CACHE_RAM_SHARE:.0%} of the available RAM per rank")
-    ranks = f" x {local_ranks} ranks on this host" if local_ranks > 1 else ""
-    raise ValueError(f"the KV cache ({setting}: {cache_bytes} bytes{ranks}) exceeds the "
-                     f"{available} bytes of RAM available; give it less")
+    raise ValueError(f"the KV cache ({setting}: {cache_bytes} bytes{_ranks(local_ranks)}) "
+                     f"exceeds the {available} bytes of RAM available; give it less")
+
+
+def _ranks(local_ranks: int) -> str:
+    return f" x {local_ranks} ranks on this host" if local_ranks > 1 else ""
 
 
 def _local_ranks(args: EngineArgs) -> int:
@@ -403,14 +406,14 @@ def _check_swap_space(args: EngineArgs, local_ranks: int = 1,
     swap = args.swap_space_bytes * local_ranks
     if swap <= SWAP_RAM_SHARE_WARNING * total:
         return args
-    ranks = f" x {local_ranks} ranks on this host" if local_ranks > 1 else ""
-    what = (f"swap_space={args.swap_space} GiB{ranks} ({swap} bytes) is "
+    what = (f"swap_space={args.swap_space} GiB{_ranks(local_ranks)} ({swap} bytes) is "
             f"{swap / total:.0%} of this host's {total} bytes of RAM")
     if shrink_default and args.swap_space == _DEFAULT_SWAP_SPACE:
         gib = math.floor(SWAP_RAM_SHARE_WARNING * total / local_ranks / 2**30 * 100) / 100
+        over = " over the ranks" if local_ranks > 1 else ""
         logger.warning("%s, the default: using swap_space=%.2f GiB (%.0f%% of the RAM%s) "
                        "instead; set swap_space to choose", what, gib,
-                       100 * SWAP_RAM_SHARE_WARNING, " over the ranks" if ranks else "")
+                       100 * SWAP_RAM_SHARE_WARNING, over)
         return replace(args, swap_space=gib)
     if swap > SWAP_RAM_SHARE_LIMIT * total:
         raise ValueError(f"{what}; at most {SWAP_RAM_SHARE_LIMIT:.0%} may go to the swap "
