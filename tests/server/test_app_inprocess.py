@@ -84,12 +84,14 @@ def test_openapi_document_describes_the_bodies_parsed_off_the_loop(tokenizer):
     parameters; /openapi.json still names each body's schema, its nested models included."""
     document = call(FakeEngine(tokenizer), [("GET", "/openapi.json", None)])[0].json()
     schemas = document["components"]["schemas"]
-    for path, model in (("/v1/completions", "CompletionRequest"),
-                        ("/v1/chat/completions", "ChatCompletionRequest"),
-                        ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+    for path, model, field in (("/v1/completions", "CompletionRequest", "model"),
+                               ("/v1/chat/completions", "ChatCompletionRequest", "model"),
+                               ("/tokenize", "TokenizeRequest", "model"),
+                               ("/detokenize", "DetokenizeRequest", "model"),
+                               ("/v1/load_lora_adapter", "LoadLoRAAdapterRequest", "lora_name")):
         body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
-        assert "model" in schemas[model]["properties"]
+        assert field in schemas[model]["properties"]
     messages = schemas["ChatCompletionRequest"]["properties"]["messages"]
     assert messages["items"] == {"$ref": "#/components/schemas/ChatMessage"}
     assert "role" in schemas["ChatMessage"]["properties"]

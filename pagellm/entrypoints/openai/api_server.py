@@ -105,12 +105,12 @@ def _fingerprint(engine: AsyncLLMEngine) -> str:
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServerContext, bodies: BodyParser) -> None:
-    @app.post("/v1/completions", openapi_extra=bodies.openapi(CompletionRequest))
+    @app.post("/v1/completions")
     async def completions(raw: Request, body: CompletionRequest = bodies.dependency(
             CompletionRequest)):
         return await create_completion(ctx, body, raw)
 
-    @app.post("/v1/chat/completions", openapi_extra=bodies.openapi(ChatCompletionRequest))
+    @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request, body: ChatCompletionRequest = bodies.dependency(
             ChatCompletionRequest)):
         return await create_chat_completion(ctx, body, raw)
@@ -181,7 +181,7 @@ def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics,
 
     _add_dashboard_routes(app)
 
-    @app.post("/tokenize", openapi_extra=bodies.openapi(TokenizeRequest))
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest = bodies.dependency(TokenizeRequest)) -> dict:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -192,7 +192,7 @@ def _add_server_routes(app: FastAPI, ctx: ServerContext, metrics: EngineMetrics,
             ids = await ctx.tokenization.encode(body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize", openapi_extra=bodies.openapi(DetokenizeRequest))
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest = bodies.dependency(DetokenizeRequest)
                          ) -> dict:
         ctx.check_model(body.model)

@@ -19,8 +19,8 @@ throughout. So routes take their body from ``BodyParser.dependency(Model)``:
 Other errors are FastAPI's own: a body that is not JSON, or JSON that fails validation, raises
 ``RequestValidationError`` with the same error entries (locations under ``body``), and the
 server's handler turns them into the same OpenAI-style 400s. The OpenAPI document
-(``/openapi.json``, ``/docs``) still describes each route's body: ``openapi(Model)`` for the
-route's ``openapi_extra``, and ``install_openapi`` adds the models' schemas to it.
+(``/openapi.json``, ``/docs``) still describes each route's body: ``install_openapi`` adds
+the schema of the model each route's dependency parses.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class BodyParser:
         self.max_objects = max_objects
         self.inline_bytes = inline_bytes
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-body")
-        self.models: dict[str, type[BaseModel]] = {}  # documented in the OpenAPI schema
+        self.models: dict[Any, type[BaseModel]] = {}  # dependency -> the body it parses
 
     async def parse(self, raw: Request, model: type[Model]) -> Model:
         body = await raw.body()
@@ -104,29 +104,37 @@ class BodyParser:
         async def body(raw: Request) -> Model:
             return await self.parse(raw, model)
 
+        self.models[body] = model
         return Depends(body)
 
-    def openapi(self, model: type[BaseModel]) -> dict[str, Any]:
-        """A route's ``openapi_extra``: its JSON body is ``model``."""
-        self.models[model.__name__] = model
-        ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-        return {"requestBody": {"required": True,
-                                "content": {"application/json": {"schema": ref}}}}
-
     def install_openapi(self, app: FastAPI) -> None:
-        """``app.openapi`` with the schemas of the models ``openapi`` named."""
+        """``app.openapi`` with each route's body: the model its ``dependency`` parses, in
+        the document's components."""
         def schema() -> dict[str, Any]:
             if app.openapi_schema is None:
                 document = get_openapi(title=app.title, version=app.version, routes=app.routes)
                 components = document.setdefault("components", {}).setdefault("schemas", {})
-                for name, model in self.models.items():
+                for route, model in self._body_routes(app):
                     body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                     components.update(body.pop("$defs", {}))
-                    components[name] = body
+                    components[model.__name__] = body
+                    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                    for method in route.methods:
+                        document["paths"][route.path][method.lower()]["requestBody"] = {
+                            "required": True, "content": {"application/json": {"schema": ref}}}
                 app.openapi_schema = document
             return app.openapi_schema
 
         app.openapi = schema
+
+    def _body_routes(self, app: FastAPI) -> list[tuple[Any, type[BaseModel]]]:
+        """(route, body model) of each route that takes its body from ``dependency``."""
+        found = []
+        for route in app.routes:
+            for dependency in getattr(getattr(route, "dependant", None), "dependencies", ()):
+                if dependency.call in self.models:
+                    found.append((route, self.models[dependency.call]))
+        return found
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -16,9 +16,9 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from pagellm.core.async_engine import AsyncLLMEngine
-from pagellm.entrypoints.openai.request_body import BodyParser
 from pagellm.entrypoints.openai.errors import APIError, api_error_from_exception
 from pagellm.entrypoints.openai.protocol import ModelCard
+from pagellm.entrypoints.openai.request_body import BodyParser
 from pagellm.lora.request import LoRARequest
 
 
@@ -93,13 +93,12 @@ def add_lora_routes(app: FastAPI, loras: LoRAModels | None, served_names: list[s
                            "--enable-lora", 400)
         return loras
 
-    @app.post("/v1/load_lora_adapter", openapi_extra=bodies.openapi(LoadLoRAAdapterRequest))
+    @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest = bodies.dependency(
             LoadLoRAAdapterRequest)) -> PlainTextResponse:
         return PlainTextResponse(await enabled().load(body, served_names))
 
-    @app.post("/v1/unload_lora_adapter",
-              openapi_extra=bodies.openapi(UnloadLoRAAdapterRequest))
+    @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest = bodies.dependency(
             UnloadLoRAAdapterRequest)) -> PlainTextResponse:
         return PlainTextResponse(await enabled().unload(body))
