@@ -15,10 +15,11 @@ arguments prepared once per number of sequences and buffers allocated once:
     then the final rms_norm.
 
 A projection on pagellm's compiled products (int4/int8, the bfloat16 kernel) is a prepared
-call too, for fewer than ``quant_matmul.GEMM_ROWS`` sequences; from there (the float32 GEMM),
-or on torch's kernels (the int4/int8 layers on AVX-512 CPUs, oneDNN's packed bfloat16
-weights), or with a bias the kernel sums, it runs the layer's own forward, its result copied
-into the plan's buffer. Between the kernels only the step's fields are set (the attention's
+call too, for fewer than ``quant_matmul.GEMM_ROWS`` sequences; an int4/int8 layer on torch's
+kernels (AVX-512 CPUs) is that kernel's call with its arguments bound
+(``Int4Weight.torch_product``), its result copied into the plan's buffer; anything else (from
+GEMM_ROWS rows on the float32 GEMM, oneDNN's packed bfloat16 weights, a bias the bfloat16
+kernel sums) runs the layer's own forward, its result copied likewise. Between the kernels only the step's fields are set (the attention's
 block pairs, lengths, slots and workspace; rotary's cos and sin), so its hidden states equal
 the eager forward's bit for bit (tests/engine/test_cpu_decode.py). The embedding lookup, the
 rotary angles and the vocabulary projection stay with the model. Anything else (prefill, more
@@ -63,10 +64,16 @@ def _projection(linear: Linear, x: torch.Tensor, out: torch.Tensor,
     with its bias in the sums) runs the layer's forward on the same values, its result
     copied into ``out``."""
     matmul = _matmul_of(linear)
+    calls: list[Callable[[], object]] | None = None
     if (matmul is not None and x.shape[0] < quant_matmul.GEMM_ROWS
             and (linear.bias is None or linear.quantized is not None)):
-        calls: list[Callable[[], object]] = [matmul.prepared(x, out, workspace)]
-        if linear.bias is not None:
+        calls = [matmul.prepared(x, out, workspace)]
+    elif linear.quantized is not None:
+        product = linear.quantized.torch_product(x)
+        if product is not None:  # torch's int4/int8 kernel, called without the layers
+            calls = [lambda: out.copy_(product())]
+    if calls is not None:
+        if linear.bias is not None:  # Linear.forward's out + bias, in place
             calls.append(lambda bias=linear.bias: out.add_(bias))
         return calls
     forward = linear.forward

@@ -173,13 +173,17 @@ def test_plan_on_int8_with_zeros(llama_dir, compiled_matmuls):
 @pytest.mark.parametrize("options", [dict(quantization="int4", quantization_group_size=32),
                                      dict(quantization="int8")])
 def test_plan_on_torch_s_kernels(llama_dir, torch_matmuls, options):
-    """Projections on torch's int4/int8 kernels run the layer's forward inside the plan, the
-    rest of the step prepared: still the forward's tokens and logprobs bit for bit. (With
-    int8 activations the int4 layers take the compiled kernels wherever they are built.)"""
+    """Projections on torch's int4/int8 kernels are those kernels' calls with their
+    arguments bound (torch_product) inside the plan, the rest of the step prepared: still the
+    forward's tokens and logprobs bit for bit. (With int8 activations the int4 layers take
+    the compiled kernels wherever they are built.)"""
     llm, eager = engine(llama_dir, **options), eager_twin(llama_dir, **options)
     plan = plan_or_skip(llm)
-    assert not any(getattr(m, "compiled", True) for m in llm.llm_engine.runner.model.modules()
-                   if type(m).__name__ in ("Int4Weight", "Int8Weight"))
+    layers = [m for m in llm.llm_engine.runner.model.model.modules()
+              if type(m).__name__ in ("Int4Weight", "Int8Weight")]
+    assert layers and not any(layer.compiled for layer in layers)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert all(layer.torch_product(x) is not None for layer in layers)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(5, [5, 9, 3], seed=5)]
     served: list[int] = []
     for count in (1, 5):

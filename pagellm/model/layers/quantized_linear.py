@@ -33,6 +33,9 @@ model/quantize_on_load.py), never from a copy already rounded to bfloat16;
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,8 +104,17 @@ class Int8Weight(nn.Module):
         if self.compiled:
             return self.kernel(x)
         if self.scale.dim() == 1:
-            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
+            return torch._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
         return F.linear(x.float(), self.dequantized()).to(x.dtype)
+
+    def torch_product(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+        """forward(x) as one call of torch's kernel with its arguments bound, for a caller
+        that runs it on the same tensor x every time (the CPU decode plan: none of forward's
+        Python, ~6 us a projection); None where forward runs anything else (the compiled
+        kernels, group-wise scales, scales of another dtype than x's)."""
+        if self.compiled or self.scale.dim() != 1 or self.scale.dtype != x.dtype:
+            return None
+        return functools.partial(torch._weight_int8pack_mm, x, self.q, self.scale)
 
     def dequantized(self) -> torch.Tensor:
         """[N, K] float32."""
@@ -190,11 +202,21 @@ class Int4Weight(nn.Module):
         if self.compiled:
             return self.kernel(x)
         if self._int8_activations:  # the rounded rows in float32: bfloat16 would round again
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            return torch._weight_int4pack_mm_for_cpu(
                 quant_matmul.quantize_activations(x), self.packed, self.group_size,
                 self.torch_scale_and_zero.float()).to(x.dtype)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        return torch._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.torch_scale_and_zero.to(x.dtype))
+
+    def torch_product(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+        """As Int8Weight.torch_product: forward(x) as one bound call of torch's kernel, or
+        None where forward runs anything else (the compiled kernels, int8 activations,
+        parameters of another dtype than x's)."""
+        if (self.compiled or self._int8_activations
+                or self.torch_scale_and_zero.dtype != x.dtype):
+            return None
+        return functools.partial(torch._weight_int4pack_mm_for_cpu, x, self.packed,
+                                 self.group_size, self.torch_scale_and_zero)
 
     def codes(self) -> torch.Tensor:
         """[N, K] uint8 in [0, 15]."""
