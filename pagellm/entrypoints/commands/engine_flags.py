@@ -59,8 +59,9 @@ HELP = {
     "quantization_group_size": "input columns per int4 scale: 32, 64, 128 or 256",
     "int8_activations": "with --quantization int4 or gguf: multiply by activations rounded to int8 "
                         "per 32 columns, with integer dot products (as llama.cpp's Q4 x Q8): "
-                        "faster small-batch decode on the CPU, adds the activations' rounding "
-                        "(default: off)",
+                        "faster small-batch decode on CPUs without AVX-512 (slower on AVX-512 "
+                        "ones, whose int4 layers otherwise run torch's kernels), adds the "
+                        "activations' rounding (default: off)",
 }
 POSITIONAL = ("model",)
 # vLLM's short spellings
