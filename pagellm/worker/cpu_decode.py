@@ -19,13 +19,13 @@ call too, for fewer than ``quant_matmul.GEMM_ROWS`` sequences; an int4/int8 laye
 kernels (AVX-512 CPUs) is that kernel's call with its arguments bound
 (``Int4Weight.torch_product``), its result copied into the plan's buffer; anything else (from
 GEMM_ROWS rows on the float32 GEMM, oneDNN's packed bfloat16 weights, a bias the bfloat16
-kernel sums) runs the layer's own forward, its result copied likewise. Between the kernels only the step's fields are set (the attention's
-block pairs, lengths, slots and workspace; rotary's cos and sin), so its hidden states equal
-the eager forward's bit for bit (tests/engine/test_cpu_decode.py). The embedding lookup, the
-rotary angles and the vocabulary projection stay with the model. Anything else (prefill, more
-sequences than ``max_rows`` = max_num_seqs, a model or configuration it does not support)
-runs the eager forward: ``run`` returns None. ``enforce_eager=True`` turns it off, as it
-turns off CUDA graphs on the GPU.
+kernel sums) runs the layer's own forward, its result copied likewise. Between the kernels
+only the step's fields are set (the attention's block pairs, lengths, slots and workspace;
+rotary's cos and sin), so its hidden states equal the eager forward's bit for bit
+(tests/engine/test_cpu_decode.py). The embedding lookup, the rotary angles and the vocabulary
+projection stay with the model. Anything else (prefill, more sequences than ``max_rows`` =
+max_num_seqs, a model or configuration it does not support) runs the eager forward: ``run``
+returns None. ``enforce_eager=True`` turns it off, as it turns off CUDA graphs on the GPU.
 """
 from __future__ import annotations
 
@@ -58,11 +58,11 @@ def _projection(linear: Linear, x: torch.Tensor, out: torch.Tensor,
                 workspace: torch.Tensor) -> list[Callable[[], object]]:
     """The calls that write linear(x) into ``out``, as the layer's forward computes it.
 
-    A compiled product of fewer than GEMM_ROWS rows is a prepared call, its bias (quantized
-    layers: ``out + bias``) added in place; any other projection (from GEMM_ROWS rows on, the
-    float32 GEMM; torch's int4/int8 kernels, oneDNN's packed weights, the bfloat16 kernel
-    with its bias in the sums) runs the layer's forward on the same values, its result
-    copied into ``out``."""
+    A compiled product of fewer than GEMM_ROWS rows is a prepared call, and torch's int4/int8
+    kernel (the layer's torch_product) a bound call copied into ``out``, each with its bias
+    (quantized layers: ``out + bias``) added in place; any other projection (from GEMM_ROWS
+    rows on, the float32 GEMM; oneDNN's packed weights, the bfloat16 kernel with its bias in
+    the sums) runs the layer's forward on the same values, its result copied into ``out``."""
     matmul = _matmul_of(linear)
     calls: list[Callable[[], object]] | None = None
     if (matmul is not None and x.shape[0] < quant_matmul.GEMM_ROWS

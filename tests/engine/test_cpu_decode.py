@@ -179,11 +179,13 @@ def test_plan_on_torch_s_kernels(llama_dir, torch_matmuls, options):
     the compiled kernels wherever they are built.)"""
     llm, eager = engine(llama_dir, **options), eager_twin(llama_dir, **options)
     plan = plan_or_skip(llm)
-    layers = [m for m in llm.llm_engine.runner.model.model.modules()
-              if type(m).__name__ in ("Int4Weight", "Int8Weight")]
-    assert layers and not any(layer.compiled for layer in layers)
+    model = llm.llm_engine.runner.model
+    assert not any(getattr(m, "compiled", True) for m in model.modules()
+                   if type(m).__name__ in ("Int4Weight", "Int8Weight"))
+    layers = [m for m in model.model.modules() if type(m).__name__ in ("Int4Weight",
+                                                                       "Int8Weight")]
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
-    assert all(layer.torch_product(x) is not None for layer in layers)
+    assert layers and all(layer.torch_product(x) is not None for layer in layers)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(5, [5, 9, 3], seed=5)]
     served: list[int] = []
     for count in (1, 5):
