@@ -212,6 +212,23 @@ def test_qwen2_biases_and_qwen3_head_norms(model_factory, compiled_matmuls, arch
     assert any(served)
 
 
+def test_qwen2_biases_after_torch_s_kernels(model_factory, torch_matmuls):
+    """Qwen2's q/k/v biases added in place after torch's int4 kernel's bound call, as the
+    layer adds them after its product: the forward's tokens and logprobs bit for bit."""
+    llm = engine(model_factory("Qwen2ForCausalLM"), quantization="int4",
+                 quantization_group_size=32)
+    eager = eager_twin(model_factory("Qwen2ForCausalLM"), quantization="int4",
+                       quantization_group_size=32)
+    plan = plan_or_skip(llm)
+    qkv = llm.llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
+    x = torch.zeros(1, qkv.in_features, dtype=torch.bfloat16)
+    assert qkv.bias is not None and qkv.quantized.torch_product(x) is not None
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(3, [7, 4], seed=6)]
+    served: list[int] = []
+    assert generate(llm, prompts, plan, served) == generate(eager, prompts, None, [])
+    assert any(served)
+
+
 def test_bfloat16_weights_and_thread_counts(llama_dir):
     """Unquantized bfloat16 projections (the compiled bfloat16 kernel on CPUs without
     oneDNN's bfloat16 path, oneDNN's packed weights elsewhere), with one and two torch
