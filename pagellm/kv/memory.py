@@ -8,7 +8,8 @@ KV heads is ``num_key_value_heads`` from the HuggingFace config (grouped-query a
 KV head between several query heads), not the number of query heads: counting the query heads, as
 for multi-head attention, overstates Llama-2-70B's KV cache eightfold.
 
-Pure Python (json only), so the calculator runs without torch.
+Pure Python (json only), so the calculator runs without torch; only a GGUF file's metadata is
+read through the model loader's GGUF code (which imports torch).
 """
 from __future__ import annotations
 
@@ -211,10 +212,23 @@ class KVMemoryModel:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dtype: str = "auto") -> KVMemoryModel:
+        """A model folder holding config.json, or a GGUF file (as ``LLM(model=...)`` takes)."""
+        if Path(model_dir).suffix.lower() == ".gguf" and Path(model_dir).is_file():
+            return cls.from_gguf_file(model_dir, dtype)
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
         return cls.from_config_file(path, dtype)
+
+    @classmethod
+    def from_gguf_file(cls, path: str | Path, dtype: str = "auto") -> KVMemoryModel:
+        """A GGUF file's metadata, read as the engine reads it (pagellm.model.gguf_config:
+        this one imports torch and transformers). ``dtype="auto"`` is the dtype the file's
+        weights load in (bfloat16 for the quantized types)."""
+        from pagellm.model.gguf_config import load_gguf_config
+
+        config = load_gguf_config(path).to_dict()
+        return cls.from_hf_config(config, dtype, name=Path(path).name)
 
     @classmethod
     def from_preset(cls, preset: str, dtype: str = "auto") -> KVMemoryModel:

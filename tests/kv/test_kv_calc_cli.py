@@ -76,3 +76,46 @@ def test_kv_package_imports_no_torch():
     code = ("import sys, pagellm.kv, pagellm.entrypoints.commands.kv_calc;"
             "assert 'torch' not in sys.modules, 'pagellm.kv imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_gguf_file_is_sized_as_the_engine_sizes_it(capsys, kv_dtype):
+    """--model takes a GGUF file, as LLM(model=...) does: the real model's KV bytes per token
+    and per block are the engine's for its cache dtype (the file's Q4_1 weights load in
+    bfloat16; SmolLM2-135M: 30 layers, 3 KV heads of 64)."""
+    import torch
+
+    from gguf_models import smollm2_gguf
+    from pagellm.attention import kv_quant
+    from pagellm.model.loader import load_config, resolve_dtype
+    from pagellm.worker.cache_engine import CacheEngine
+
+    path = smollm2_gguf()
+    report = run_json(capsys, "kv-calc", "--model", str(path), "--kv-cache-dtype", kv_dtype)
+    config = load_config(path)
+    engine_bytes = CacheEngine.bytes_per_block(config, 16, resolve_dtype("auto", config),
+                                               kv_quant.kv_format(kv_dtype))
+    assert report["bytes_per_block"] == engine_bytes
+    row = 64 * 2 if kv_dtype == "auto" else 64 + 2
+    assert report["bytes_per_token"] == 2 * 30 * 3 * row
+    assert report["dtype"] == ("bfloat16" if kv_dtype == "auto" else "int8")
+    assert report["model"] == path.name
+    assert resolve_dtype("auto", config) == torch.bfloat16
+
+
+def test_tiny_gguf_file_dtypes(tmp_path, capsys):
+    """A file without general.file_type loads in bfloat16, as the engine loads it; --dtype
+    float32 counts 4 bytes."""
+    from gguf_models import TINY_GGUF, write_tiny_gguf
+    from pagellm.model.loader import load_config, resolve_dtype
+
+    path, _ = write_tiny_gguf(tmp_path, "F32")
+    head_dim = TINY_GGUF["hidden_size"] // TINY_GGUF["num_attention_heads"]
+    per_element = 2 * TINY_GGUF["num_hidden_layers"] * TINY_GGUF["num_key_value_heads"] * head_dim
+    report = run_json(capsys, "kv-calc", "--model", str(path))
+    assert report["dtype"] == str(resolve_dtype("auto", load_config(path))).removeprefix("torch.")
+    assert (report["num_kv_heads"], report["head_dim"]) == (TINY_GGUF["num_key_value_heads"],
+                                                            head_dim)
+    assert report["bytes_per_token"] == per_element * report["dtype_bytes"]
+    report = run_json(capsys, "kv-calc", "--model", str(path), "--dtype", "float32")
+    assert report["bytes_per_token"] == per_element * 4

@@ -1,6 +1,7 @@
 """``pagellm kv-calc``: KV cache bytes per token and per batch, and what a memory budget holds.
 
-Pure Python (pagellm.kv.memory): runs instantly, without torch.
+Pure Python (pagellm.kv.memory): runs instantly, without torch (a GGUF file's metadata is read by
+the model loader's GGUF code, which imports torch and takes a few seconds).
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "with the KV heads of grouped-query attention (num_key_value_heads).",
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", metavar="DIR", help="model directory holding config.json")
+    source.add_argument("--model", metavar="PATH",
+                        help="model directory holding config.json, or a GGUF file")
     source.add_argument("--config", metavar="FILE", help="a HuggingFace config.json")
     source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in public config")
-    parser.add_argument("--dtype", default="auto",
+    parser.add_argument("--dtype", "--kv-cache-dtype", dest="dtype", default="auto",
                         help="KV cache dtype: float16, bfloat16, float32, int8, fp8 (= fp8_e4m3), "
                              "fp8_e5m2 (8-bit caches add a 2-byte scale per token and KV "
                              "head; default: the config's torch_dtype)")
