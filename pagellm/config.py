@@ -76,7 +76,9 @@ class EngineArgs:
     # each projection in the smallest format that holds them exactly); see
     # model/layers/quantized_linear.py
     quantization: str | None = None
-    quantization_group_size: int = 128
+    # None: 32 for a GGUF file (its Q4 blocks' groups), else 128, or 64 or 32 where 128
+    # does not divide a projection's input width (quantized_linear.default_group_size)
+    quantization_group_size: int | None = None
     # With quantization="int4": multiply the int4 weights by activations rounded to int8 codes
     # per 32 columns (a float32 scale each), with integer dot products, as llama.cpp's Q4 x Q8
     # products do: faster small-batch decode on the CPU, at the cost of the activations'
@@ -121,13 +123,14 @@ class EngineArgs:
                "must be True or False")
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("quantization", self.quantization, QUANTIZATION_METHODS)
-        _choice("quantization_group_size", self.quantization_group_size, (32, 64, 128, 256))
+        _choice("quantization_group_size", self.quantization_group_size,
+                (None, 32, 64, 128, 256))
         _check(isinstance(self.int8_activations, bool), "int8_activations",
                self.int8_activations, "must be True or False")
         _check(not self.int8_activations or self.quantization in ("int4", "gguf"),
                "int8_activations", self.int8_activations,
                f"needs quantization='int4' or 'gguf' (got {self.quantization!r})")
-        _check(self.quantization != "gguf" or self.quantization_group_size == 128,
+        _check(self.quantization != "gguf" or self.quantization_group_size is None,
                "quantization_group_size", self.quantization_group_size,
                "does not apply to quantization='gguf', which takes the file's own groups "
                "(32 columns, 16 for Q6_K, Q3_K and Q2_K); leave it unset")

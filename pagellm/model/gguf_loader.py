@@ -37,6 +37,7 @@ import torch
 from pagellm.model.decoder import CausalLM
 from pagellm.model.gguf_config import field_value, load_gguf_config, open_reader
 from pagellm.model.layers import quant_matmul
+from pagellm.model.layers.quantized_linear import default_group_size
 from pagellm.model.quantize_on_load import QuantizingLoad
 
 # The tensor types whose dequantization (gguf.quants.dequantize) is supported and tested.
@@ -373,18 +374,20 @@ def iterate_gguf_weights(reader: Any, hf_config: Any, dtype: torch.dtype, lazy: 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu",
                     pack_weights: bool = True, tp: Any = None, quantization: str | None = None,
-                    quantization_group_size: int = 128) -> tuple[CausalLM, Any]:
+                    quantization_group_size: int | None = None) -> tuple[CausalLM, Any]:
     """Build the model of a GGUF file and load its dequantized weights: (model, hf_config).
     Under tensor parallelism (``tp``) each rank dequantizes only its rows or columns of each
     tensor (model/gguf_slices.py). With ``quantization`` the tensors are read in float32 and
     the projections quantized from those values (model/quantize_on_load.py), or taken as
     they are where the blocks are the format (int4 groups of 32 from Q4_0 / Q4_1 / Q4_K;
     int8 groups from every quantized type; "gguf": every projection as ``gguf_method``
-    chooses)."""
+    chooses). ``quantization_group_size`` None: 32, the Q4 blocks' groups."""
     from pagellm.model.loader import build_model, finish_weights, load_weights
 
     hf_config = load_gguf_config(path)
     model = build_model(hf_config, dtype, device, tp)
+    if quantization is not None and quantization_group_size is None:
+        quantization_group_size = default_group_size(model, from_gguf=True)
     lazy = tp is not None and tp.world_size > 1
     reader = open_reader(path)
     quantizing = None

@@ -22,8 +22,8 @@ from pagellm.distributed.parallel_state import (TensorParallelGroup, building,
 from pagellm.model.decoder import CausalLM
 from pagellm.model.gguf_config import is_gguf_file, load_gguf_config
 from pagellm.model.layers import default_weight_loader
-from pagellm.model.layers.quantized_linear import (check_supported, quantize_linear,
-                                                    quantize_linear_weights)
+from pagellm.model.layers.quantized_linear import (check_supported, default_group_size,
+                                                    quantize_linear, quantize_linear_weights)
 from pagellm.model.quantize_on_load import QuantizingLoad
 from pagellm.model.registry import get_model_class
 
@@ -119,7 +119,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu",
                allow_pickle: bool = False, pack_weights: bool = True,
                tp: TensorParallelGroup | None = None, quantization: str | None = None,
-               quantization_group_size: int = 128) -> tuple[CausalLM, Any]:
+               quantization_group_size: int | None = None) -> tuple[CausalLM, Any]:
     """Build the model of the folder's config.json (or of a GGUF file) and load its weights:
     (model, hf_config). With a tensor-parallel group ``tp``: this rank's shard, reading only
     its rows and columns of each safetensors tensor.
@@ -128,7 +128,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     ``pack_weights`` is False; with ``quantization`` ("int8", "int4") they are quantized
     instead, from the checkpoint's values as they stream in (model/quantize_on_load.py,
     model/layers/quantized_linear.py; one rank only); "gguf" (GGUF files only) takes the
-    file's blocks as they are (gguf_loader.gguf_method)."""
+    file's blocks as they are (gguf_loader.gguf_method). ``quantization_group_size`` None:
+    quantized_linear.default_group_size."""
     tp = tp or single_device_group()
     check_supported(quantization, torch.device(device), dtype)
     if quantization is not None and tp.world_size > 1:
@@ -150,6 +151,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     files = weight_files(path, allow_pickle)
     model = build_model(hf_config, dtype, device, tp)
     weights = iterate_weights(files, lazy=tp.world_size > 1)
+    if quantization is not None and quantization_group_size is None:
+        quantization_group_size = default_group_size(model, from_gguf=False)
     if quantization is not None:  # from the stored values, not the copy in ``dtype``
         weights = QuantizingLoad(model, quantization, quantization_group_size).stream(weights)
     load_weights(model, weights)

@@ -273,15 +273,17 @@ def test_safetensors_float32_checkpoint_is_quantized_from_its_values(model_zoo):
         assert torch.equal(module.quantized.scale, reference.scale), name
 
 
-@pytest.mark.parametrize("method", ["int4", "gguf"])
-def test_smollm2_int4_takes_every_projection_from_the_file(method):
+@pytest.mark.parametrize("method,group_size", [("int4", 32), ("int4", None), ("gguf", None)])
+def test_smollm2_int4_takes_every_projection_from_the_file(method, group_size):
     """The real SmolLM2 file (Q4_1 projections, a Q8_0 embedding tied to the output) in int4
-    groups of 32 (or as its blocks are: the same), bfloat16: every projection holds the
-    file's own codes, scales and zeros; the tied vocabulary projection is int8 from the
-    embedding's float32 values, and the embedding keeps its weight."""
+    groups of 32 (given, or unset: a GGUF file's default), or as its blocks are (the same),
+    bfloat16: every projection holds the file's own codes, scales and zeros; the tied
+    vocabulary projection is int8 from the embedding's float32 values, and the embedding keeps
+    its weight. (With groups of 128, the default before, SmolLM2's 576-wide inputs fit no
+    group and the load failed.)"""
     path = smollm2_gguf()
     model, config = load_model(path, dtype=torch.bfloat16, quantization=method,
-                               **({"quantization_group_size": 32} if method == "int4" else {}))
+                               quantization_group_size=group_size)
     tensors = {t.name: t for t in open_reader(path).tensors}
 
     def codes(gguf_name: str, heads: int | None = None) -> tuple[torch.Tensor, ...]:

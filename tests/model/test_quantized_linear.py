@@ -56,6 +56,34 @@ def test_bad_group_size_and_device_name_the_supported():
         check_supported("int8", torch.device("cpu"), torch.float16)
 
 
+def test_unset_group_size_takes_the_largest_that_divides_every_input_width(model_zoo):
+    """quantization_group_size unset: 128, else 64 or 32, whichever divides every projection's
+    input width (the tiny Llama's 64 and 128: 64); 32 for a GGUF file; a width no group
+    divides is refused, and so is a given group that does not divide a width, naming the
+    ones that would."""
+    from pagellm.model.layers.linear import Linear
+    from pagellm.model.layers.quantized_linear import default_group_size
+
+    llama_dir, _ = model_zoo("llama")
+    model, _ = load_model(llama_dir, dtype=torch.float32, quantization="int4")
+    int4 = [m.quantized for m in model.modules()
+            if isinstance(m, Linear) and isinstance(m.quantized, Int4Weight)]
+    assert int4 and {layer.group_size for layer in int4} == {64}
+    with pytest.raises(ValueError, match=r"group_size=128 .* in_features=64; 32, 64 would"):
+        load_model(llama_dir, dtype=torch.float32, quantization="int4",
+                   quantization_group_size=128)
+
+    def layers(*widths: int) -> torch.nn.Module:
+        return torch.nn.ModuleList(Linear(width, 8) for width in widths)
+
+    assert default_group_size(layers(768, 2048), from_gguf=False) == 128
+    assert default_group_size(layers(576, 1536), from_gguf=False) == 64  # SmolLM2-135M
+    assert default_group_size(layers(96), from_gguf=False) == 32
+    assert default_group_size(layers(576), from_gguf=True) == 32
+    with pytest.raises(ValueError, match=r"multiples of 32; this model's are \[80, 256\]"):
+        default_group_size(layers(256, 80), from_gguf=False)
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantize_on_load_of_a_safetensors_model(model_zoo, method):
     """Every projection quantized, the model's logits those of the plain model whose

@@ -56,7 +56,9 @@ HELP = {
                     "channel; a GGUF file's blocks as they are), int4 (groups of "
                     "--quantization-group-size) or gguf (a GGUF file's blocks as they are, "
                     "int4 for Q4 types and int8 for the others); CPU only (default: None)",
-    "quantization_group_size": "input columns per int4 scale: 32, 64, 128 or 256",
+    "quantization_group_size": "input columns per int4 scale: 32, 64, 128 or 256 (default: 32 "
+                               "for a GGUF file, its Q4 blocks' groups; else 128, or 64 or 32 "
+                               "where 128 does not divide a layer's input width)",
     "int8_activations": "with --quantization int4 or gguf: multiply by activations rounded to int8 "
                         "per 32 columns, with integer dot products (as llama.cpp's Q4 x Q8): "
                         "faster small-batch decode on CPUs without AVX-512 (slower on AVX-512 "

@@ -262,10 +262,34 @@ def int4_quantize(weight: torch.Tensor, group_size: int, dtype: torch.dtype
     return q.view(out_features, in_features).to(torch.uint8), scale, zero
 
 
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def default_group_size(model: nn.Module, from_gguf: bool) -> int:
+    """The int4 group size when quantization_group_size is unset: 32 for a GGUF file (the
+    groups of its Q4_0 / Q4_1 / Q4_K blocks, which int4 then takes as they are), else 128, or
+    the largest of 64 and 32 that divides the input width of every projection (SmolLM2's 576
+    takes 64)."""
+    from pagellm.model.layers.linear import Linear
+
+    if from_gguf:
+        return 32
+    widths = sorted({m.in_features for m in model.modules() if isinstance(m, Linear)})
+    for group_size in (128, 64, 32):
+        if all(width % group_size == 0 for width in widths):
+            return group_size
+    raise ValueError(f"int4 quantization needs projections whose input widths are multiples "
+                     f"of 32; this model's are {widths}: use quantization='int8'")
+
+
 def _check_group(in_features: int, group_size: int) -> None:
-    if group_size not in (32, 64, 128, 256) or in_features % group_size:
+    if group_size not in INT4_GROUP_SIZES or in_features % group_size:
+        dividing = [g for g in INT4_GROUP_SIZES if in_features % g == 0]
+        fits = (f"; {', '.join(map(str, dividing))} would" if dividing else
+                "; none of them does: use quantization='int8'")
         raise ValueError(f"int4 quantization: group_size={group_size} must be one of 32, 64, "
-                         f"128, 256 and divide in_features={in_features}")
+                         f"128, 256 and divide in_features={in_features}{fits} (or leave "
+                         "quantization_group_size unset to choose one that does)")
 
 
 def check_supported(method: str | None, device: torch.device, dtype: torch.dtype) -> None:
