@@ -54,6 +54,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="number of KV blocks (small values force preemption)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache storage: auto (the model dtype), int8, fp8 (= fp8_e4m3) or "
+                        "fp8_e5m2 (default: auto)")
+    p.add_argument("--quantization", default=None,
+                   help="weights: int8, int4 or gguf (a GGUF file's blocks as they are); CPU "
+                        "only (default: as loaded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
     p.set_defaults(func=run)
@@ -88,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     print(description)
     llm = LLM(model, block_size=args.block_size, dtype=args.dtype, seed=args.seed,
               num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=1024,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization)
     num_prompts = args.num_prompts or (16 if random_weights else len(DEMO_QUESTIONS))
     questions = [DEMO_QUESTIONS[i % len(DEMO_QUESTIONS)] for i in range(num_prompts)]
     temperature = args.temperature if args.temperature is not None else (
@@ -154,6 +161,8 @@ def _summary(outputs, stats, elapsed: float, peak_used: int, waste: float) -> di
         "output_tokens": out_tokens,
         "elapsed_s": round(elapsed, 3),
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
+        "kv_cache_dtype": stats.kv_cache_dtype,
+        "kv_bytes_per_block": stats.kv_bytes_per_block,
         "kv_blocks_total": stats.num_blocks,
         "kv_blocks_peak_used": peak_used,
         "kv_waste_ratio_time_avg": round(waste, 4),
