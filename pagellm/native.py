@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +114,13 @@ def status() -> dict[str, str]:
 
 
 def build_and_load(source: Path, flags: list[str], what: str,
-                   level: str | None = None) -> ctypes.CDLL | None:
+                   level: str | None = None, parts: int = 1) -> ctypes.CDLL | None:
     """The shared library of ``source`` built with ``flags`` for ISA ``level`` (default
-    isa_level()), cached, or None. ``what`` names it in log messages and status()."""
+    isa_level()), cached, or None. ``what`` names it in log messages and status().
+
+    ``parts`` > 1: the source compiles as that many objects side by side, part k with
+    ``-DPAGELLM_PART=k`` (the source says which code each part holds), linked into one
+    library: a first build takes the time of its slowest part rather than of the whole."""
     if os.environ.get("PAGELLM_CPU_KERNELS", "1") == "0":
         return _off(what, "PAGELLM_CPU_KERNELS=0", logging.INFO)
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -124,12 +129,12 @@ def build_and_load(source: Path, flags: list[str], what: str,
     level = level or isa_level()
     flags = [*flags, *isa_flags(level)]
     text = source.read_text()
-    key = hashlib.sha256("\n".join([text, " ".join(flags), compiler, _cpu_id()])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([text, " ".join(flags), compiler, _cpu_id()]
+                                   + [f"parts={parts}"] * (parts > 1)).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{source.stem}_{key}.so"
     try:
         if not target.exists():
-            _compile(compiler, source, flags, target)
+            _compile(compiler, source, flags, target, parts)
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         return _off(what, f"the build with {compiler} failed ({_failure(exc)})",
@@ -203,13 +208,46 @@ def _failure(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _compile(compiler: str, source: Path, flags: list[str], target: Path) -> None:
+COMPILE_TIMEOUT_S = 120  # per compiler process
+
+
+def _compile(compiler: str, source: Path, flags: list[str], target: Path,
+             parts: int = 1) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         library = Path(tmp) / target.name
-        subprocess.run([compiler, *flags, str(source), "-o", str(library), "-lm"], check=True,
-                       capture_output=True, timeout=120)
+        inputs = [str(source)]
+        if parts > 1:
+            inputs = _compile_parts(compiler, source, [f for f in flags if f != "-shared"],
+                                    parts, Path(tmp))
+        subprocess.run([compiler, *flags, *inputs, "-o", str(library), "-lm"], check=True,
+                       capture_output=True, timeout=COMPILE_TIMEOUT_S)
         os.replace(library, target)  # atomic: concurrent builders never see a partial file
+
+
+def _compile_parts(compiler: str, source: Path, flags: list[str], parts: int,
+                   out_dir: Path) -> list[str]:
+    """Compile ``-DPAGELLM_PART=k`` objects for k < parts, all at once; their paths."""
+    objects = [str(out_dir / f"{source.stem}.part{k}.o") for k in range(parts)]
+    procs = [subprocess.Popen([compiler, *flags, f"-DPAGELLM_PART={k}", "-c", str(source),
+                               "-o", obj], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for k, obj in enumerate(objects)]
+    deadline = time.monotonic() + COMPILE_TIMEOUT_S
+    failure: subprocess.SubprocessError | None = None
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired as exc:
+            failure = failure or exc
+            continue
+        if proc.returncode and failure is None:
+            failure = subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
+    if failure is not None:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise failure
+    return objects
 
 
 def _cpu_id() -> str:

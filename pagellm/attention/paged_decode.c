@@ -50,6 +50,20 @@
 #endif
 #endif
 
+/* Split builds: the library is built from PAGELLM_PARTS objects compiled side by side
+   (pagellm.native.build_and_load, parts=3), -DPAGELLM_PART=k compiling part k's instances:
+   0 the float32 kernels (and what the library needs once: paged_decode_features, the 8-bit
+   store), 1 the bfloat16 ones, 2 the 8-bit caches'. Without PAGELLM_PART, all of them. */
+#if !defined(PAGELLM_PART) || PAGELLM_PART == 0
+#define PART_F32 1
+#endif
+#if !defined(PAGELLM_PART) || PAGELLM_PART == 1
+#define PART_BF16 1
+#endif
+#if !defined(PAGELLM_PART) || PAGELLM_PART == 2
+#define PART_Q8 1
+#endif
+
 #define INLINE static inline __attribute__((always_inline))
 #define TILE_KEYS 32 /* the 8-bit kernels' keys per (block, KV head) step */
 
@@ -745,25 +759,18 @@ static void NAME(const decode_args* a) {                                        
   if (a->head_dim == 128) GROUPS(KERNEL, 128)                                                \
   GROUPS(KERNEL, a->head_dim)                                                                \
 }
-DISPATCH(run_f32_portable, kernel_f32_portable)
-DISPATCH(run_bf16_portable, kernel_bf16_portable)
-#ifdef USE_AVX512
-DISPATCH(run_f32_avx512, kernel_f32_avx512)
-#endif
-#ifdef USE_AVX512_BF16
-DISPATCH(run_bf16_avx512, kernel_bf16_avx512)
-#endif
-#ifdef USE_AVX2_F32
-DISPATCH(run_f32_avx2, kernel_f32_avx2)
-#endif
-#ifdef USE_AVX2_BF16
-DISPATCH(run_bf16_avx2, kernel_bf16_avx2)
-#endif
-
 INLINE int vector_shape(const decode_args* a) {
   return a->head_dim % 32 == 0 && a->head_dim <= 256;
 }
 
+#ifdef PART_F32
+DISPATCH(run_f32_portable, kernel_f32_portable)
+#ifdef USE_AVX512
+DISPATCH(run_f32_avx512, kernel_f32_avx512)
+#endif
+#ifdef USE_AVX2_F32
+DISPATCH(run_f32_avx2, kernel_f32_avx2)
+#endif
 void paged_decode_attention_f32(const decode_args* a) {
 #ifdef USE_AVX512
   if (vector_shape(a)) { run_f32_avx512(a); return; }
@@ -773,7 +780,16 @@ void paged_decode_attention_f32(const decode_args* a) {
 #endif
   run_f32_portable(a);
 }
+#endif
 
+#ifdef PART_BF16
+DISPATCH(run_bf16_portable, kernel_bf16_portable)
+#ifdef USE_AVX512_BF16
+DISPATCH(run_bf16_avx512, kernel_bf16_avx512)
+#endif
+#ifdef USE_AVX2_BF16
+DISPATCH(run_bf16_avx2, kernel_bf16_avx2)
+#endif
 void paged_decode_attention_bf16(const decode_args* a) {
 #ifdef USE_AVX512_BF16
   if (vector_shape(a)) { run_bf16_avx512(a); return; }
@@ -783,6 +799,7 @@ void paged_decode_attention_bf16(const decode_args* a) {
 #endif
   run_bf16_portable(a);
 }
+#endif
 
 /* ---- 8-bit caches (kv_quant.py) ------------------------------------------------------
    A cache row is head_dim one-byte values, then the row's bfloat16 scale: element d of the
@@ -996,6 +1013,7 @@ static void NAME(const decode_args* a) {                                        
   DEFINE_Q8_KERNEL(kernel_##NAME, QT, TILE_KEYS, no_prep, score_rows_##NAME,                 \
                    value_rows_##NAME)                                                        \
   DISPATCH_Q8(run_##NAME, kernel_##NAME)
+#ifdef PART_Q8
 typedef bf16_t bf16;
 typedef float f32;
 DEFINE_F32_TILE_OPS(f32_portable, float, load_f32, score_f32_portable, value_f32_portable)
@@ -1091,6 +1109,9 @@ Q8_ENTRY(bf16, int8, q8_bf16_int8)
 Q8_ENTRY(bf16, e4m3, q8_bf16_lut)
 Q8_ENTRY(bf16, e5m2, q8_bf16_lut)
 
+#endif
+
+#ifdef PART_F32 /* once per library */
 /* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16,
    bit 2 8-bit caches AVX-512, bit 3 AVX2 (for what the AVX-512 bits leave out). */
 int paged_decode_features(void) {
@@ -1189,3 +1210,4 @@ void paged_store_q8(const store_args* a) {
     }
   }
 }
+#endif

@@ -71,6 +71,36 @@ def test_kernels_compile_for_aarch64(source, tmp_path):
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183  # EM_AARCH64
 
 
+_PARTED_SOURCE = """
+#if !defined(PAGELLM_PART) || PAGELLM_PART == 0
+int part_zero(void) { return 10; }
+#endif
+#if !defined(PAGELLM_PART) || PAGELLM_PART == 1
+int part_one(void) { return 11; }
+#if defined(PAGELLM_PART) && defined(BREAK_PART_ONE)
+#error part one does not compile
+#endif
+#endif
+"""
+
+
+def test_a_split_build_links_its_parts_and_names_a_failing_one(tmp_path, monkeypatch):
+    """build_and_load(parts=2): part k compiled with -DPAGELLM_PART=k beside the other, both
+    in the one library; a part that fails to compile turns the kernel off with its error."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "parted.c"
+    source.write_text(_PARTED_SOURCE)
+    flags = ["-O1", "-fPIC", "-shared"]
+    library = native.build_and_load(source, flags, "split test", parts=2)
+    assert library is not None, native.status()["split test"]
+    assert (library.part_zero(), library.part_one()) == (10, 11)
+    assert native.build_and_load(source, [*flags, "-DBREAK_PART_ONE"], "broken split test",
+                                 parts=2) is None
+    assert "part one does not compile" in native.status()["broken split test"]
+
+
 _RUN = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, format="LOG %(message)s")
