@@ -351,6 +351,7 @@ class LLMEngine:
             stats.lora = self.worker.lora_manager.get_stats()
         stats.kv_cache_dtype = self.args.kv_cache_dtype
         stats.kv_bytes_per_block = self.cache_engine.block_bytes
+        stats.quantization = self.args.quantization
         return stats
 
     def get_kv_view(self, history: Iterable[dict[str, float]] = ()) -> dict[str, Any]:

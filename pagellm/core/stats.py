@@ -45,6 +45,7 @@ class EngineStats:
     lora: dict = field(default_factory=dict)  # adapter caches (LoRAManager.get_stats)
     kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype
     kv_bytes_per_block: int = 0  # K and V of one block over all layers (scales included)
+    quantization: str | None = None  # EngineArgs.quantization: the weights' format
 
     @property
     def num_swaps(self) -> int:

@@ -73,7 +73,7 @@ def test_8bit_cache_bytes_and_errors(llama_dir):
         LLM(str(llama_dir), kv_cache_dtype="int4")
 
 
-def test_stats_endpoint_reports_the_kv_cache_dtype_and_block_bytes(llama_dir):
+def test_stats_endpoint_reports_the_kv_cache_dtype_block_bytes_and_weights(llama_dir):
     import asyncio
 
     import httpx
@@ -82,7 +82,8 @@ def test_stats_endpoint_reports_the_kv_cache_dtype_and_block_bytes(llama_dir):
     from pagellm.entrypoints.openai.api_server import build_app
     from pagellm.metrics import EngineMetrics
 
-    llm = LLM(str(llama_dir), kv_cache_dtype="fp8", num_gpu_blocks_override=16, max_model_len=64)
+    llm = LLM(str(llama_dir), kv_cache_dtype="fp8", num_gpu_blocks_override=16, max_model_len=64,
+              quantization="int8")
 
     async def main():
         metrics = EngineMetrics("m")
@@ -96,6 +97,6 @@ def test_stats_endpoint_reports_the_kv_cache_dtype_and_block_bytes(llama_dir):
     stats = asyncio.run(asyncio.wait_for(main(), 30))
     config = llm.llm_engine.hf_config
     head_dim = config.hidden_size // config.num_attention_heads
-    assert stats["kv_cache_dtype"] == "fp8"
+    assert (stats["kv_cache_dtype"], stats["quantization"]) == ("fp8", "int8")
     assert stats["kv_bytes_per_block"] == 16 * 2 * config.num_hidden_layers * (
         config.num_key_value_heads * (head_dim + 2))

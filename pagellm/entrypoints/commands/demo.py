@@ -162,6 +162,7 @@ def _summary(outputs, stats, elapsed: float, peak_used: int, waste: float) -> di
         "elapsed_s": round(elapsed, 3),
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
         "kv_cache_dtype": stats.kv_cache_dtype,
+        "quantization": stats.quantization,
         "kv_bytes_per_block": stats.kv_bytes_per_block,
         "kv_blocks_total": stats.num_blocks,
         "kv_blocks_peak_used": peak_used,
