@@ -11,7 +11,9 @@ workload, four systems, measured in one run.
 
 As in the seed's experiment, memory is the binding constraint: by default the budget holds
 ``DEFAULT_BUDGET_SEQS`` reservations of ``max_model_len`` tokens. The optional block-size sweep
-runs the paged engine alone at several block sizes on the same budget in bytes.
+runs the paged engine alone at several block sizes on the same budget in bytes, and the KV
+dtype sweep (``kv_cache_dtypes``) at several ``kv_cache_dtype`` on it: an 8-bit cache holds
+about twice the tokens of a bfloat16 one in the same bytes.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class MemoryExperimentConfig:
     max_num_batched_tokens: int = 8192
     systems: tuple[str, ...] = SYSTEMS
     block_sizes: tuple[int, ...] = ()
+    kv_cache_dtypes: tuple[str, ...] = ()  # the paged engine at each, on the one budget
     seed: int = 0
     warmup: bool = True
     record_views: bool = False  # block maps for the --html report (adds their cost to the run)
@@ -74,15 +77,17 @@ class Budget:
                 "max_len_reservations": self.num_slots // self.max_model_len}
 
 
-def resolve_budget(config: MemoryExperimentConfig) -> Budget:
+def _memory_model(config: MemoryExperimentConfig, kv_dtype: str = "auto"):
+    """The KV memory model of the experiment's model, its cache in the model dtype (or in
+    ``kv_dtype``)."""
     from pagellm.kv.memory import KVMemoryModel
-    from pagellm.model.gguf_config import is_gguf_file, load_gguf_config
 
-    if is_gguf_file(config.model):
-        memory = KVMemoryModel.from_hf_config(load_gguf_config(config.model).to_dict(),
-                                              dtype=config.dtype, name=str(config.model))
-    else:
-        memory = KVMemoryModel.from_model_dir(config.model, dtype=config.dtype)
+    return KVMemoryModel.from_model_dir(config.model,
+                                        dtype=config.dtype if kv_dtype == "auto" else kv_dtype)
+
+
+def resolve_budget(config: MemoryExperimentConfig) -> Budget:
+    memory = _memory_model(config)
     max_model_len = config.max_model_len or memory.max_model_len
     if max_model_len is None:
         raise ValueError("the model config has no max_position_embeddings: pass --max-model-len")
@@ -217,6 +222,27 @@ def block_size_sweep(config: MemoryExperimentConfig, budget: Budget, workload: W
     return rows
 
 
+def kv_dtype_sweep(config: MemoryExperimentConfig, budget: Budget, workload: Workload
+                   ) -> list[dict[str, Any]]:
+    """The paged engine at each kv_cache_dtype on the same budget in bytes (the model dtype's:
+    ``budget``), with its peak and mean concurrency over the first dtype's."""
+    rows = []
+    for kv_dtype in config.kv_cache_dtypes:
+        sized = replace(budget, bytes_per_token=_memory_model(config, kv_dtype).bytes_per_token)
+        options = replace(_engine_options(config, sized, "paged", config.block_size),
+                          kv_cache_dtype=kv_dtype)
+        result = run_engine_system(options, workload, config.warmup)
+        rows.append({"kv_cache_dtype": kv_dtype, "bytes_per_token": sized.bytes_per_token,
+                     "num_blocks": sized.num_blocks,
+                     **{k: result[k] for k in ("peak_concurrency", "mean_concurrency",
+                                               "output_tokens_per_s", "num_preemptions",
+                                               "kv_waste_ratio", "elapsed_s")}})
+    for row in rows:
+        for key in ("num_blocks", "peak_concurrency", "mean_concurrency"):
+            row[f"{key}_vs_first"] = round(row[key] / rows[0][key], 3) if rows[0][key] else None
+    return rows
+
+
 def run_memory_experiment(config: MemoryExperimentConfig, workload: Workload) -> dict[str, Any]:
     unknown = set(config.systems) - set(SYSTEMS)
     if unknown:
@@ -246,6 +272,8 @@ def run_memory_experiment(config: MemoryExperimentConfig, workload: Workload) ->
     }
     if config.block_sizes:
         report["block_size_sweep"] = block_size_sweep(config, budget, workload)
+    if config.kv_cache_dtypes:
+        report["kv_dtype_sweep"] = kv_dtype_sweep(config, budget, workload)
     return report
 
 

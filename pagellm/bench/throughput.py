@@ -82,6 +82,7 @@ class EngineOptions:
     watermark: float = 0.01
     seed: int = 0
     enforce_eager: bool = False
+    kv_cache_dtype: str = "auto"
 
     def engine_args(self):
         from pagellm.config import EngineArgs
@@ -94,7 +95,7 @@ class EngineOptions:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space,
             preemption_mode=self.preemption_mode, watermark=self.watermark, seed=self.seed,
-            enforce_eager=self.enforce_eager)
+            enforce_eager=self.enforce_eager, kv_cache_dtype=self.kv_cache_dtype)
 
 
 def build_engine(options: EngineOptions):

@@ -83,6 +83,38 @@ def test_memory_experiment_report(tiny_model, tmp_path):
     json.dumps(report)
 
 
+def test_memory_experiment_kv_dtype_sweep(tiny_model):
+    """--kv-cache-dtypes: the paged engine at each KV dtype on one budget in bytes; the 8-bit
+    cache holds the blocks its bytes per token allow (the tiny float32 model's 64-byte rows
+    against 16 bytes and a 2-byte scale) and, memory binding, runs more sequences at once."""
+    from pagellm.kv.memory import KVMemoryModel
+
+    spec = WorkloadSpec(num_prompts=24, seed=5, input_len=(32, 64), output_len=(8, 16))
+    auto = KVMemoryModel.from_model_dir(tiny_model, "float32")
+    config = MemoryExperimentConfig(model=str(tiny_model), dtype="float32", systems=("paged",),
+                                    max_num_seqs=32, max_num_batched_tokens=2048,
+                                    kv_cache_memory_bytes=512 * auto.bytes_per_token,
+                                    kv_cache_dtypes=("auto", "int8"), warmup=False)
+    rows = run_memory_experiment(config, _workload(spec))["kv_dtype_sweep"]
+    assert [row["kv_cache_dtype"] for row in rows] == ["auto", "int8"]
+    int8 = KVMemoryModel.from_model_dir(tiny_model, "int8")
+    assert [row["bytes_per_token"] for row in rows] == [auto.bytes_per_token,
+                                                        int8.bytes_per_token]
+    assert [row["num_blocks"] for row in rows] == [
+        512 * auto.bytes_per_token // (16 * b.bytes_per_token) for b in (auto, int8)]
+    assert rows[1]["peak_concurrency"] > rows[0]["peak_concurrency"]
+    assert rows[1]["peak_concurrency_vs_first"] == round(
+        rows[1]["peak_concurrency"] / rows[0]["peak_concurrency"], 3)
+
+
+def test_bench_memory_refuses_an_unknown_kv_dtype(capsys):
+    from pagellm.entrypoints.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "memory", "--kv-cache-dtypes", "auto,fp16"])
+    assert "'fp16': not a kv_cache_dtype" in capsys.readouterr().err
+
+
 def test_accounting_errors_are_reported():
     good = {"system": "paged", "output_tokens": 10, "requested_output_tokens": 10,
             "generated_tokens": 10, "kv_waste_ratio": 0.1, "peak_concurrency": 4,

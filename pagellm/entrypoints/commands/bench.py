@@ -66,6 +66,18 @@ def _int_list(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def _kv_dtype_list(text: str) -> tuple[str, ...]:
+    from pagellm.config import KV_CACHE_DTYPES
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [n for n in names if n not in KV_CACHE_DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(map(repr, unknown or [text]))}: not a kv_cache_dtype; choose from "
+            f"{', '.join(KV_CACHE_DTYPES)}")
+    return names
+
+
 def _prepare(args: argparse.Namespace) -> str:
     from pagellm.bench.throughput import resolve_model, set_threads
 
@@ -150,6 +162,10 @@ def _add_memory(modes) -> None:
                    help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--block-sizes", type=_int_list, default=(), metavar="1,8,16,...",
                    help="also sweep the paged engine over these block sizes")
+    p.add_argument("--kv-cache-dtypes", type=_kv_dtype_list, default=(),
+                   metavar="auto,int8,fp8,...",
+                   help="also run the paged engine at each of these kv_cache_dtype on the same "
+                        "budget in bytes: blocks, peak and mean concurrency against the first")
     p.add_argument("--plot-dir", default=None, help="write the PNG plots here")
     p.add_argument("--plot-prefix", default="memory", help="file name prefix of the plots")
     p.add_argument("--html", default=None, metavar="REPORT.html",
@@ -172,7 +188,7 @@ def run_memory(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         systems=tuple(s for s in args.systems.split(",") if s), block_sizes=args.block_sizes,
-        seed=args.seed, record_views=bool(args.html), extra={"model_name": args.model})
+        kv_cache_dtypes=args.kv_cache_dtypes, seed=args.seed, record_views=bool(args.html), extra={"model_name": args.model})
     report = run_memory_experiment(config, workload)
     if args.plot_dir:
         report["plots"] = [str(p) for p in save_plots(report, args.plot_dir, args.plot_prefix)]
