@@ -4,9 +4,9 @@ Each projection is quantized from the checkpoint tensor as read, in float32 (a G
 dequantized to float32, a safetensors tensor in its stored dtype upcast), never from the copy
 loaded into the model: with ``dtype=bfloat16`` that copy is already rounded, and quantizing it
 would round each weight twice (a bfloat16 round trip). Where a GGUF file's blocks *are* the
-target format (Q4_0 / Q4_1 / Q4_K as int4 groups of 32, gguf_loader.int4_codes; every
+target format (Q4_0 / Q4_1 / Q4_K as int4 groups of 32, gguf_codes.int4_codes; every
 quantized type as int8 groups of 32 or 16 with float32 scales, and zeros for the types with
-a min, gguf_loader.int8_codes) the loader hands their codes in instead (``add``), and nothing
+a min, gguf_codes.int8_codes) the loader hands their codes in instead (``add``), and nothing
 is re-quantized. A fused int8 projection whose shards come in different groups takes the
 smallest, the other shards' scales (and zeros) repeated; if one shard has zeros, the others
 take zeros of 0.

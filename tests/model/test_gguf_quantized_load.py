@@ -22,8 +22,8 @@ from gguf_models import smollm2_gguf, write_tiny_gguf  # noqa: E402
 from paged_greedy import PagedGreedy  # noqa: E402
 
 from pagellm.model.gguf_config import open_reader  # noqa: E402
-from pagellm.model.gguf_loader import (INT8_BLOCK_TYPES, int4_codes, int8_codes,  # noqa: E402
-                                       unpermute_qk)
+from pagellm.model.gguf_codes import INT8_BLOCK_TYPES, int4_codes, int8_codes  # noqa: E402
+from pagellm.model.gguf_loader import unpermute_qk  # noqa: E402
 from pagellm.model.layers import quant_matmul  # noqa: E402
 from pagellm.model.layers.linear import Linear  # noqa: E402
 from pagellm.model.layers.quantized_linear import Int4Weight, Int8Weight  # noqa: E402

@@ -112,7 +112,7 @@ def test_gguf_int4_blocks_map_exactly(type_name):
     """Q4_0 / Q4_1 blocks read as int4 codes, scales and zeros give the gguf package's own
     dequantization exactly."""
     gguf = pytest.importorskip("gguf")
-    from pagellm.model.gguf_loader import int4_codes
+    from pagellm.model.gguf_codes import int4_codes
 
     rng = np.random.default_rng(0)
     rows, cols = 16, 64

@@ -23,10 +23,10 @@ path) run compiled wherever they are built, else as torch computes them.
 
 GGUF blocks map onto these without a detour where the layouts match: Q8_0 (``d * q`` over 32
 columns) is int8 with group 32, and every other GGUF type is int8 with its block's codes,
-scale and (where it has one) min (gguf_loader.int8_codes); Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) over 32
+scale and (where it has one) min (gguf_codes.int8_codes); Q4_0 (``d * (q - 8)``) and Q4_1 (``d * q + m``) over 32
 columns, and each sub-block of 32 of a Q4_K super-block (``d * sc * q - dmin * m``), are int4
 with group 32, scale d (d * sc) and zero 0, m + 8d (8 d sc - dmin m)
-(gguf_loader.int4_codes). Everything else is quantized while loading from the checkpoint's
+(gguf_codes.int4_codes). Everything else is quantized while loading from the checkpoint's
 values in float32 (``int8_quantize`` / ``int4_quantize`` per checkpoint tensor,
 model/quantize_on_load.py), never from a copy already rounded to bfloat16;
 ``quantize_linear_weights`` quantizes what is left from the loaded weight.
