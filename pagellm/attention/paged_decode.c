@@ -50,7 +50,7 @@
 #endif
 #endif
 
-/* Split builds: the library is built from PAGELLM_PARTS objects compiled side by side
+/* Split builds: the library is linked from three objects compiled side by side
    (pagellm.native.build_and_load, parts=3), -DPAGELLM_PART=k compiling part k's instances:
    0 the float32 kernels (and what the library needs once: paged_decode_features, the 8-bit
    store), 1 the bfloat16 ones, 2 the 8-bit caches'. Without PAGELLM_PART, all of them. */

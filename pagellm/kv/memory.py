@@ -213,6 +213,7 @@ class KVMemoryModel:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, dtype: str = "auto") -> KVMemoryModel:
         """A model folder holding config.json, or a GGUF file (as ``LLM(model=...)`` takes)."""
+        # gguf_config.is_gguf_file's test, not the function: importing pagellm.model imports torch
         if Path(model_dir).suffix.lower() == ".gguf" and Path(model_dir).is_file():
             return cls.from_gguf_file(model_dir, dtype)
         path = Path(model_dir) / "config.json"
