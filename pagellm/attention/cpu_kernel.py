@@ -178,8 +178,8 @@ def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: 
     """The float32 workspace paged_decode_attention takes for such a step."""
     threads = torch.get_num_threads()
     rows = num_seqs * num_heads
-    return _KERNEL.scratch(rows * (max_seq_len + (max_seq_len + 1) // 2 + 1
-                                   + threads * head_dim))
+    row_floats = -(-(max_seq_len + (max_seq_len + 1) // 2 + 1) // 16) * 16  # as paged_decode.c
+    return _KERNEL.scratch(rows * (row_floats + threads * head_dim))
 
 
 def supports_quantized(query: torch.Tensor, cache: QuantizedKVCache) -> bool:

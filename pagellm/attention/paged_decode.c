@@ -145,10 +145,13 @@ DEFINE_WRITE(write_float, float)
 DEFINE_WRITE(write_bf16_t, bf16_t)
 
 /* Workspace: per (sequence, query head) row, scores [max_seq_len] float32 (by position), the
-   rounded bfloat16 weights [max_seq_len] and 1 / softmax sum; then num_threads partial
-   output sums [num_seqs * num_heads, head_dim] float32. */
+   rounded bfloat16 weights [max_seq_len] and 1 / softmax sum, padded to whole 64-byte lines;
+   then num_threads partial output sums [num_seqs * num_heads, head_dim] float32. With the
+   rows on line boundaries (cpu_kernel.decode_workspace's buffer is 64-byte aligned), a block
+   of 16 keys' scores is one line of its own: no line is split between blocks, which the
+   threads take in physical order, not by sequence, and would otherwise write side by side. */
 INLINE int64_t row_floats(const decode_args* a) {
-  return a->max_seq_len + (a->max_seq_len + 1) / 2 + 1;
+  return (a->max_seq_len + (a->max_seq_len + 1) / 2 + 1 + 15) / 16 * 16;
 }
 INLINE float* partial_sum(const decode_args* a, int64_t t, int64_t row) {
   const int64_t rows = a->num_seqs * a->num_heads;
@@ -644,6 +647,36 @@ INLINE void prefetch_share(const char* block, int64_t bytes, int64_t part, int64
   for (int64_t b = 0; b < share; b += 64) __builtin_prefetch(block + part * share + b, 0, 1);
 }
 
+/* Prefetch (into L1) the workspace lines pair pa's KV head h touches in this pass: the G rows'
+   scores of its block (pass 0, written), or their weights (float32, or bfloat16 after the
+   scores where ROUNDED is 1) and the G partial sums (pass 1). The pairs go in physical block
+   order, so these lines jump from sequence to sequence; with more rows than fit in L2
+   (128 x 512: 4.7 MB of scores) each would otherwise be an L3 or memory miss the pair waits
+   on. */
+INLINE void prefetch_rows(const decode_args* a, int64_t pa, int64_t h, int64_t G, int pass,
+                          int rounded, int64_t t) {
+  const int64_t H = a->num_heads, rf = row_floats(a), bs = a->block_size;
+  const int64_t r0 = a->pair_seq[pa] * H + h * G, pos = a->pair_block[pa] * bs;
+  const float* row = a->workspace + r0 * rf;
+  for (int64_t g = 0; g < G; g++) {
+    if (pass == 0) {
+      __builtin_prefetch(row + g * rf + pos, 1, 3);
+      __builtin_prefetch(row + g * rf + pos + bs - 1, 1, 3);
+    } else {
+      const char* w = rounded == 1
+          ? (const char*)((const bf16_t*)(row + g * rf + a->max_seq_len) + pos)
+          : (const char*)(row + g * rf + pos);
+      __builtin_prefetch(w, 0, 3);
+      __builtin_prefetch(w + (rounded == 1 ? 2 : 4) * bs - 1, 0, 3);
+    }
+  }
+  if (pass == 1) {
+    const char* acc = (const char*)partial_sum(a, t, r0);
+    for (int64_t b = 0; b < G * a->head_dim * (int64_t)sizeof(float); b += 64)
+      __builtin_prefetch(acc + b, 1, 3);
+  }
+}
+
 /* Keys [lo, hi) of pair p's block that its sequence attends to, as offsets in the block. */
 INLINE int64_t pair_keys(const decode_args* a, int64_t p, int64_t* lo) {
   const int64_t bs = a->block_size, len = a->seq_lens[a->pair_seq[p]];
@@ -706,7 +739,10 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
         const int64_t pos = a->pair_block[p] * bs + lo; /* position of key lo */             \
         const T* block = cache + a->pair_phys[p] * block_elems + lo * KVH * D;               \
         for (int64_t h = 0; h < KVH; h++) {                                                  \
-          if (PREFETCH_AHEAD && ahead) prefetch_share(ahead, block_bytes, h, KVH);                             \
+          if (ahead) {                                                                       \
+            prefetch_share(ahead, block_bytes, h, KVH);                                      \
+            prefetch_rows(a, p + PREFETCH_AHEAD, h, G, pass, ROUNDED, t);                    \
+          }                                                                                  \
           if (lo >= hi) continue;                                                            \
           float* row = rows + (s * H + h * G) * rf; /* query head h * G, then G - 1 more */  \
           if (pass == 0) {                                                                   \
@@ -960,7 +996,10 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
         const int64_t hi = pair_keys(a, p, &lo), s = a->pair_seq[p];                         \
         const uint8_t* block = cache + a->pair_phys[p] * block_bytes;                        \
         for (int64_t h = 0; h < KVH; h++) {                                                  \
-          if (ahead) prefetch_share(ahead, block_bytes, h, KVH);                             \
+          if (ahead) {                                                                       \
+            prefetch_share(ahead, block_bytes, h, KVH);                                      \
+            prefetch_rows(a, p + PREFETCH_AHEAD, h, G, pass, 0, t);                          \
+          }                                                                                  \
           const int64_t r0 = s * H + h * G;                                                  \
           for (int64_t k0 = lo; k0 < hi; k0 += KEYS) {                                       \
             const int64_t n = hi - k0 < KEYS ? hi - k0 : KEYS;                               \
