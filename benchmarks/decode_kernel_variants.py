@@ -1,0 +1,161 @@
+"""The compiled decode kernel built from several C sources, timed side by side (prints JSON).
+
+    .venv/bin/python benchmarks/decode_kernel_variants.py --rev HEAD~1        # against the last commit
+    .venv/bin/python benchmarks/decode_kernel_variants.py --sources /tmp/a.c,/tmp/b.c --threads 1
+    .venv/bin/python benchmarks/decode_kernel_variants.py --kv-dtypes auto,int8,fp8,fp8_e5m2
+
+For work on pagellm/attention/paged_decode.c: this machine's timings drift by 10-40% from one
+minute to the next, more than most changes to the kernel move them, so two builds are only
+comparable when measured in one process, round by round. Each source (the package's own
+``paged_decode.c`` first, then ``--rev``'s version of it from git, then ``--sources``) is built
+and loaded as its own library; every (source, KV dtype) is called on the same caches and
+queries, interleaved within each round, and the fastest of ``--iters`` rounds (after one
+warm-up) is reported as ns per key and KV head (both passes, all query heads) and as a ratio
+to the first source's bfloat16 time. Every source's output must equal the first one's
+bit for bit (reported, not asserted: a variant may reorder sums on purpose).
+
+Workload (seed 0): the "small" Llama's decode attention (12 query heads over 4 KV heads,
+head_dim 64, block 16, bfloat16 queries, shuffled physical blocks): 16 x 512 over one
+layer's cache (K/V resident in L3: what the loops cost), and 64 x 512 and 128 x 512 over 12
+layers' caches of their own (read from memory, as a model step reads them).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagellm.attention import AttentionMetadata, cpu_kernel, kv_quant
+from pagellm.bench.throughput import machine_info
+from pagellm.worker.cache_engine import _allocate_zeroed
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16
+SHAPES = {"16x512-l3": (16, 512, 1, 40), "64x512": (64, 512, 12, 2),
+          "128x512": (128, 512, 12, 1)}  # name: (sequences, context, layers, calls per round)
+KERNEL_SOURCE = "pagellm/attention/paged_decode.c"
+
+
+def load_kernel(index: int, source: Path):
+    """A separate copy of pagellm.attention.cpu_kernel whose library is built from source."""
+    spec = importlib.util.spec_from_file_location(f"_decode_kernel_{index}", cpu_kernel.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module._SOURCE = source
+    if module._KERNEL.load() is None:
+        sys.exit(f"{source}: the kernel did not build (see the log above)")
+    return module
+
+
+def measure(kernels: list, names: list[str], kv_dtypes: list[str], shape: tuple[int, ...],
+            iters: int) -> list[dict]:
+    num_seqs, context, layers, calls_per_round = shape
+    gen = torch.Generator().manual_seed(0)
+    per_seq = -(-context // BLOCK)
+    num_blocks = num_seqs * per_seq + 8
+    tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * per_seq].view(
+        num_seqs, per_seq).tolist()
+    decode = AttentionMetadata.build([1] * num_seqs, [context] * num_seqs, tables, BLOCK).decode
+    query = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    scale = HEAD_DIM ** -0.5
+    caches = {}
+    for kv_dtype in kv_dtypes:
+        fmt = kv_quant.kv_format(kv_dtype)
+        shape_ = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM + (kv_quant.SCALE_BYTES if fmt else 0))
+
+        def cache(fmt=fmt, shape_=shape_) -> torch.Tensor:
+            data = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+            if fmt is None:
+                return _allocate_zeroed(shape_, torch.bfloat16, torch.device("cpu")).copy_(data)
+            return _allocate_zeroed(shape_, torch.uint8, torch.device("cpu")).copy_(
+                kv_quant.quantize(data, fmt))
+
+        caches[kv_dtype] = (fmt, [(cache(), cache()) for _ in range(layers)])
+    calls, outs = {}, {}
+    for i, kernel in enumerate(kernels):
+        workspace = kernel.decode_workspace(num_seqs, HEADS, HEAD_DIM, decode.max_seq_len)
+        for kv_dtype, (fmt, layer_caches) in caches.items():
+            out = outs[i, kv_dtype] = torch.empty_like(query)
+            calls[i, kv_dtype] = []
+            for k_cache, v_cache in layer_caches:
+                if fmt is None:
+                    call = kernel.prepared_decode_attention(query, k_cache, v_cache, out, None,
+                                                            None, scale, None)
+                else:
+                    call = kernel.prepared_decode_attention_quantized(
+                        query, kv_quant.QuantizedKVCache(k_cache, v_cache, fmt), out, scale, None)
+                kernel.set_step(call, decode.block_pairs(), decode.seq_lens, decode.max_seq_len,
+                                None, workspace)
+                calls[i, kv_dtype].append(call)
+    times: dict[tuple, list[float]] = {key: [] for key in calls}
+    for r in range(iters + 1):
+        print(f"{num_seqs} x {context}: round {r + 1}/{iters + 1}", file=sys.stderr, flush=True)
+        for key, layer_calls in calls.items():
+            start = time.perf_counter()
+            for _ in range(calls_per_round):
+                for call in layer_calls:
+                    call()
+            times[key].append((time.perf_counter() - start) / calls_per_round / layers)
+    key_heads = num_seqs * context * KV_HEADS
+    best = {key: min(t[1:]) for key, t in times.items()}
+    base = best[0, kv_dtypes[0]]
+    return [{"source": names[i], "kv_cache_dtype": kv_dtype, "num_seqs": num_seqs,
+             "context": context, "layers": layers,
+             "ns_per_key_and_kv_head": round(best[i, kv_dtype] / key_heads * 1e9, 2),
+             f"vs_first_{kv_dtypes[0]}": round(best[i, kv_dtype] / base, 3),
+             "max_diff_from_first_source": (outs[i, kv_dtype].float()
+                                            - outs[0, kv_dtype].float()).abs().max().item()}
+            for i in range(len(kernels)) for kv_dtype in kv_dtypes]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rev", action="append", default=[],
+                        help=f"also build git REV's {KERNEL_SOURCE} (repeatable)")
+    parser.add_argument("--sources", default="", help="also these C files, comma-separated")
+    parser.add_argument("--kv-dtypes", default="auto,int8",
+                        help="comma-separated, the first is the ratios' base (default auto,int8)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=9, help="timed rounds (default 9)")
+    parser.add_argument("--shapes", default=",".join(SHAPES),
+                        help=f"comma-separated among: {', '.join(SHAPES)}")
+    args = parser.parse_args()
+    kv_dtypes = args.kv_dtypes.split(",")
+    for kv_dtype in kv_dtypes:
+        try:
+            kv_quant.kv_format(kv_dtype)
+        except ValueError as error:
+            parser.error(str(error))
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown --shapes {unknown}; choices: {', '.join(SHAPES)}")
+    torch.set_num_threads(args.threads)
+    names, sources = ["paged_decode.c"], [Path(cpu_kernel._SOURCE)]
+    scratch = Path(tempfile.mkdtemp(prefix="pagellm-kernel-"))
+    root = Path(__file__).resolve().parent.parent
+    for rev in args.rev:
+        text = subprocess.run(["git", "show", f"{rev}:{KERNEL_SOURCE}"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout
+        path = scratch / f"paged_decode_{len(sources)}.c"
+        path.write_text(text)
+        names.append(rev)
+        sources.append(path)
+    for source in filter(None, args.sources.split(",")):
+        names.append(source)
+        sources.append(Path(source))
+    kernels = [load_kernel(i, source) for i, source in enumerate(sources)]
+    runs = [run for shape in shapes
+            for run in measure(kernels, names, kv_dtypes, SHAPES[shape], args.iters)]
+    print(json.dumps({"mode": "decode kernel variants", "threads": args.threads,
+                      "iters": args.iters, **machine_info(), "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
