@@ -32,11 +32,10 @@ from pathlib import Path
 
 import torch
 
-from pagellm.attention import AttentionMetadata, cpu_kernel, kv_quant
+from pagellm.attention import cpu_kernel, kv_quant
 from pagellm.bench.throughput import machine_info
-from pagellm.worker.cache_engine import _allocate_zeroed
+from quantization import HEAD_DIM, HEADS, KV_HEADS, decode_workload
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16
 SHAPES = {"16x512-l3": (16, 512, 1, 40), "64x512": (64, 512, 12, 2),
           "128x512": (128, 512, 12, 1)}  # name: (sequences, context, layers, calls per round)
 KERNEL_SOURCE = "pagellm/attention/paged_decode.c"
@@ -56,27 +55,8 @@ def load_kernel(index: int, source: Path):
 def measure(kernels: list, names: list[str], kv_dtypes: list[str], shape: tuple[int, ...],
             iters: int) -> list[dict]:
     num_seqs, context, layers, calls_per_round = shape
-    gen = torch.Generator().manual_seed(0)
-    per_seq = -(-context // BLOCK)
-    num_blocks = num_seqs * per_seq + 8
-    tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * per_seq].view(
-        num_seqs, per_seq).tolist()
-    decode = AttentionMetadata.build([1] * num_seqs, [context] * num_seqs, tables, BLOCK).decode
-    query = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    decode, query, caches = decode_workload(num_seqs, context, layers, kv_dtypes)
     scale = HEAD_DIM ** -0.5
-    caches = {}
-    for kv_dtype in kv_dtypes:
-        fmt = kv_quant.kv_format(kv_dtype)
-        shape_ = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM + (kv_quant.SCALE_BYTES if fmt else 0))
-
-        def cache(fmt=fmt, shape_=shape_) -> torch.Tensor:
-            data = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-            if fmt is None:
-                return _allocate_zeroed(shape_, torch.bfloat16, torch.device("cpu")).copy_(data)
-            return _allocate_zeroed(shape_, torch.uint8, torch.device("cpu")).copy_(
-                kv_quant.quantize(data, fmt))
-
-        caches[kv_dtype] = (fmt, [(cache(), cache()) for _ in range(layers)])
     calls, outs = {}, {}
     for i, kernel in enumerate(kernels):
         workspace = kernel.decode_workspace(num_seqs, HEADS, HEAD_DIM, decode.max_seq_len)

@@ -43,6 +43,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -56,6 +57,7 @@ from pagellm.model.layers.quantized_linear import int4_quantize, int8_quantize
 from pagellm.worker.cache_engine import _allocate_zeroed
 
 KV_DTYPES = ("auto", "int8", "fp8", "fp8_e5m2")
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 64, 16  # the "small" model's attention
 
 
 def default_gguf() -> str:
@@ -68,35 +70,47 @@ def default_gguf() -> str:
     return str(path)
 
 
-def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
-    """Every KV dtype's 12 layers at num_seqs x context, the dtypes interleaved pass by pass
-    (so that a slow phase of the machine hits all of them), the fastest of ``iters`` passes."""
-    heads, kv_heads, head_dim, layers, block = 12, 4, 64, 12, 16
+def decode_workload(num_seqs: int, context: int, layers: int, kv_dtypes: Sequence[str]):
+    """The "small" model's decode attention workload (seed 0): 12 query heads over 4 KV heads,
+    head_dim 64, block 16, ``num_seqs`` sequences of ``context`` tokens on shuffled physical
+    blocks, bfloat16 queries. Returns the DecodeMetadata, the queries, and per KV dtype its
+    format (None: bfloat16) and ``layers`` (K, V) caches of random rows, allocated as the
+    engine allocates its cache."""
     gen = torch.Generator().manual_seed(0)
-    per_seq = -(-context // block)
+    per_seq = -(-context // BLOCK)
     num_blocks = num_seqs * per_seq + 8
     tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * per_seq].view(
         num_seqs, per_seq).tolist()
-    decode = AttentionMetadata.build([1] * num_seqs, [context] * num_seqs, tables, block).decode
-    query = torch.randn(num_seqs, heads, head_dim, generator=gen).to(torch.bfloat16)
-    scale = head_dim ** -0.5
-    steps, row_bytes = {}, {}
-    for kv_dtype in KV_DTYPES:
+    decode = AttentionMetadata.build([1] * num_seqs, [context] * num_seqs, tables, BLOCK).decode
+    query = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    caches = {}
+    for kv_dtype in kv_dtypes:
         fmt = kv_quant.kv_format(kv_dtype)
-        row = head_dim + (kv_quant.SCALE_BYTES if fmt else 0)
-        shape = (num_blocks, block, kv_heads, row)
+        row = HEAD_DIM + (kv_quant.SCALE_BYTES if fmt else 0)
+        shape = (num_blocks, BLOCK, KV_HEADS, row)
 
         def cache(fmt=fmt, shape=shape) -> torch.Tensor:
-            data = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
+            data = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
             if fmt is None:
                 return _allocate_zeroed(shape, torch.bfloat16, torch.device("cpu")).copy_(data)
             return _allocate_zeroed(shape, torch.uint8, torch.device("cpu")).copy_(
                 kv_quant.quantize(data, fmt))
 
-        caches = [(cache(), cache()) for _ in range(layers)]
+        caches[kv_dtype] = (fmt, [(cache(), cache()) for _ in range(layers)])
+    return decode, query, caches
 
-        def step(caches=caches, fmt=fmt) -> None:
-            for k_cache, v_cache in caches:
+
+def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
+    """Every KV dtype's 12 layers at num_seqs x context, the dtypes interleaved pass by pass
+    (so that a slow phase of the machine hits all of them), the fastest of ``iters`` passes."""
+    layers = 12
+    decode, query, caches = decode_workload(num_seqs, context, layers, KV_DTYPES)
+    scale = HEAD_DIM ** -0.5
+    steps, row_bytes = {}, {}
+    for kv_dtype, (fmt, layer_caches) in caches.items():
+
+        def step(layer_caches=layer_caches, fmt=fmt) -> None:
+            for k_cache, v_cache in layer_caches:
                 if fmt is None:
                     _decode(query, k_cache, v_cache, decode, scale, None)
                 else:
@@ -105,7 +119,7 @@ def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
                         decode.block_pairs(), decode.seq_lens, decode.max_seq_len, scale)
 
         steps[kv_dtype] = step
-        row_bytes[kv_dtype] = row if fmt else head_dim * 2
+        row_bytes[kv_dtype] = HEAD_DIM + kv_quant.SCALE_BYTES if fmt else HEAD_DIM * 2
     times: dict[str, list[float]] = {kv_dtype: [] for kv_dtype in KV_DTYPES}
     for i in range(iters + 1):
         print(f"attention: {num_seqs} x {context}, pass {i + 1}/{iters + 1}", file=sys.stderr,
@@ -119,7 +133,7 @@ def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
         # the fastest pass (the first is a warm-up): other load only ever adds time
         ms = min(times[kv_dtype][1:]) * 1e3
         median = statistics.median(times[kv_dtype][1:]) * 1e3
-        kv_bytes = 2 * layers * num_seqs * context * kv_heads * row_bytes[kv_dtype]
+        kv_bytes = 2 * layers * num_seqs * context * KV_HEADS * row_bytes[kv_dtype]
         runs.append({"kv_cache_dtype": kv_dtype, "num_seqs": num_seqs, "context": context,
                      "ms_12_layers": round(ms, 2), "median_ms": round(median, 2),
                      "kv_bytes": kv_bytes, "gb_per_s": round(kv_bytes / ms / 1e6, 1)})
