@@ -334,9 +334,10 @@ INLINE __m512 exp512_u20(__m512 x) { /* exp_u20, 16 at a time */
    values are exact in float32 and the sums are float32, as in the AVX-512 loops.
    - Scores: 4 keys x (up to) 3 heads of 8-lane partial sums, reduced 4 keys at a time by a
      transposing add tree (sum4).
-   - Weighted sum: 16 dimensions x (up to) 3 heads of accumulators, even and odd keys in two
-     sets (two FMA chains), each weight broadcast from float32: the bfloat16 kernel rounds
-     its weights in place (softmax_rows), the 8-bit ones take them times the rows' scales. */
+   - Weighted sum: 32 dimensions x (up to) 3 heads of accumulators, one FMA chain each (12
+     independent chains), each weight broadcast from float32 once per 32 dimensions: the
+     bfloat16 kernel rounds its weights in place (softmax_rows), the 8-bit ones take them
+     times the rows' scales. */
 #ifdef USE_AVX2
 INLINE __m256 cvt8_f32(const float* r, int64_t c) { return _mm256_loadu_ps(r + 8 * c); }
 INLINE __m256 cvt8_bf16(const bf16_t* r, int64_t c) {
@@ -435,31 +436,26 @@ INLINE void NAME(const QT* restrict q, const T* restrict k, int64_t ks, int64_t 
 }
 
 /* acc_g += sum_i w_g[i] v_i for GN (<= 3) heads: w_g = w + g * ws (float32), the n rows
-   v_i = v + i * vs, acc_g = acc + g * D; 16 dimensions at a time. */
+   v_i = v + i * vs, acc_g = acc + g * D; 32 dimensions at a time: 12 accumulators, the GN
+   weights of a key broadcast once for its 4 vectors (16 registers in all). */
 #define DEFINE_AVX2_VALUE_HEADS(NAME, T, CVT)                                                \
 INLINE void NAME(const float* restrict w, int64_t ws, const T* restrict v, int64_t vs,       \
                  int64_t n, float* restrict acc, const int64_t D, const int64_t GN) {        \
-  for (int64_t dc = 0; dc < D; dc += 16) {                                                   \
-    __m256 a0[2][3], a1[2][3]; /* even and odd keys: two FMA chains per accumulator */       \
-    for (int64_t g = 0; g < GN; g++) {                                                       \
-      a0[0][g] = _mm256_loadu_ps(acc + g * D + dc);                                          \
-      a1[0][g] = _mm256_loadu_ps(acc + g * D + dc + 8);                                      \
-      a0[1][g] = a1[1][g] = _mm256_setzero_ps();                                             \
-    }                                                                                        \
-    for (int64_t i = 0; i < n; i += 2)                                                       \
-      for (int e = 0; e < 2 && i + e < n; e++) {                                             \
-        const T* r = v + (i + e) * vs;                                                       \
-        const __m256 x0 = CVT(r, dc / 8), x1 = CVT(r, dc / 8 + 1);                           \
-        for (int64_t g = 0; g < GN; g++) {                                                   \
-          const __m256 wg = _mm256_broadcast_ss(w + g * ws + i + e);                         \
-          a0[e][g] = _mm256_fmadd_ps(wg, x0, a0[e][g]);                                      \
-          a1[e][g] = _mm256_fmadd_ps(wg, x1, a1[e][g]);                                      \
-        }                                                                                    \
+  for (int64_t dc = 0; dc < D; dc += 32) {                                                   \
+    __m256 a[3][4];                                                                          \
+    for (int64_t g = 0; g < GN; g++)                                                         \
+      for (int u = 0; u < 4; u++) a[g][u] = _mm256_loadu_ps(acc + g * D + dc + 8 * u);       \
+    for (int64_t i = 0; i < n; i++) {                                                        \
+      const T* r = v + i * vs;                                                               \
+      __m256 wg[3];                                                                          \
+      for (int64_t g = 0; g < GN; g++) wg[g] = _mm256_broadcast_ss(w + g * ws + i);          \
+      for (int u = 0; u < 4; u++) {                                                          \
+        const __m256 x = CVT(r, dc / 8 + u);                                                 \
+        for (int64_t g = 0; g < GN; g++) a[g][u] = _mm256_fmadd_ps(wg[g], x, a[g][u]);       \
       }                                                                                      \
-    for (int64_t g = 0; g < GN; g++) {                                                       \
-      _mm256_storeu_ps(acc + g * D + dc, _mm256_add_ps(a0[0][g], a0[1][g]));                 \
-      _mm256_storeu_ps(acc + g * D + dc + 8, _mm256_add_ps(a1[0][g], a1[1][g]));             \
     }                                                                                        \
+    for (int64_t g = 0; g < GN; g++)                                                         \
+      for (int u = 0; u < 4; u++) _mm256_storeu_ps(acc + g * D + dc + 8 * u, a[g][u]);       \
   }                                                                                          \
 }
 /* For G heads, head_chunk() at a time. With SCALED (8-bit rows) the weights are first taken
