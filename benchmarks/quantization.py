@@ -119,7 +119,8 @@ def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
                         decode.block_pairs(), decode.seq_lens, decode.max_seq_len, scale)
 
         steps[kv_dtype] = step
-        row_bytes[kv_dtype] = HEAD_DIM + kv_quant.SCALE_BYTES if fmt else HEAD_DIM * 2
+        k_cache = layer_caches[0][0]
+        row_bytes[kv_dtype] = k_cache.shape[-1] * k_cache.element_size()
     times: dict[str, list[float]] = {kv_dtype: [] for kv_dtype in KV_DTYPES}
     for i in range(iters + 1):
         print(f"attention: {num_seqs} x {context}, pass {i + 1}/{iters + 1}", file=sys.stderr,
