@@ -80,13 +80,14 @@ def vector_paths() -> dict[str, str]:
     """The inner loops the loaded build runs per cache dtype (head_dim % 32 == 0, at most
     256; other shapes take the plain-C loops): ``AVX-512`` (bfloat16: ``AVX-512 BF16``, its
     dot-product instructions), else ``AVX2`` where the CPU has it, else ``plain C``.
-    ``8-bit`` is the int8 / fp8 caches' (kv_quant.py)."""
+    ``8-bit`` is the int8 / fp8 caches' (kv_quant.py): ``AVX-512 VBMI`` where the codes are
+    converted by byte-table lookups (bfloat16 queries, head_dim % 64 == 0)."""
     library = _KERNEL.load()
     features = library.paged_decode_features() if library is not None else 0
     avx2 = "AVX2" if features & 8 else "plain C"
     return {"float32": "AVX-512" if features & 1 else avx2,
             "bfloat16": "AVX-512 BF16" if features & 2 else avx2,
-            "8-bit": "AVX-512" if features & 4 else avx2}
+            "8-bit": "AVX-512 VBMI" if features & 16 else "AVX-512" if features & 4 else avx2}
 
 
 def describe() -> str:

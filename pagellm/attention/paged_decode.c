@@ -956,9 +956,9 @@ INLINE void score_tile_bf16(const bf16_t* q, const bf16_t* tile, const float* sc
                                                     _mm512_maskz_loadu_ps(m, sc + i)));
   }
 }
-INLINE void value_tile_bf16(float* w, int64_t ws, const bf16_t* tile, const float* sc,
-                            int64_t n, float* acc, const int64_t D, const int64_t G) {
-  bf16_t wt[BF16_TILE_GROUP * TILE_KEYS + 2]; /* + 2: the pair read past a tile's last key */
+/* wt[g * TILE_KEYS + i] = bfloat16(w[g * ws + i] * sc[i]) for the n keys of G heads. */
+INLINE void scaled_weights_bf16(const float* w, int64_t ws, const float* sc, int64_t n,
+                                const int64_t G, bf16_t* wt) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
     const __m512 scales = _mm512_maskz_loadu_ps(m, sc + i);
@@ -966,8 +966,137 @@ INLINE void value_tile_bf16(float* w, int64_t ws, const bf16_t* tile, const floa
       _mm256_storeu_si256((__m256i*)(wt + g * TILE_KEYS + i), (__m256i)_mm512_cvtneps_pbh(
           _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + g * ws + i), scales)));
   }
+}
+INLINE void value_tile_bf16(float* w, int64_t ws, const bf16_t* tile, const float* sc,
+                            int64_t n, float* acc, const int64_t D, const int64_t G) {
+  bf16_t wt[BF16_TILE_GROUP * TILE_KEYS + 2]; /* + 2: the pair read past a tile's last key */
+  scaled_weights_bf16(w, ws, sc, n, G, wt);
   value_bf16_avx512(wt, TILE_KEYS, tile, D, n, acc, D, G);
 }
+#endif
+
+#if defined(USE_AVX512_BF16) && defined(__AVX512VBMI__) && defined(PART_Q8)
+#define USE_Q8_PLANES 1
+/* With AVX512-VBMI (head_dim a multiple of 64): 8-bit codes to bfloat16 by table lookups,
+   64 at a time, instead of sign extension (or float16 decoding), float32 conversion and
+   rounding to bfloat16 16 at a time. The bfloat16 values of the 128 magnitudes of a format
+   are stored as two 128-byte planes, their low bytes and their high bytes; one byte permute
+   (vpermi2b: a 7-bit index into two registers) looks each plane up, the code's sign goes
+   into bit 7 of the high byte, and one more permute per 32 values interleaves the planes
+   into bfloat16 words. int8 looks up |x|: the quantizers clamp to +-127, so -128 never
+   occurs (it would read as -0). The values are those of the conversions above (fp8 e4m3 at
+   its true scale, not times 2^-8), so the kernels below give the tile kernels' results bit
+   for bit. Formats: 0 int8, 1 e4m3, 2 e5m2. */
+static uint8_t q8_planes[3][2][128] __attribute__((aligned(64)));
+__attribute__((constructor)) static void init_q8_planes(void) {
+  for (int c = 0; c < 128; c++) {
+    const float v[3] = {(float)c, 256.0f * _cvtsh_ss((unsigned short)((c << 7) & 0xBF80)),
+                        _cvtsh_ss((unsigned short)(c << 8))};
+    for (int f = 0; f < 3; f++) {
+      uint32_t bits;
+      memcpy(&bits, &v[f], sizeof bits);
+      q8_planes[f][0][c] = (uint8_t)(bits >> 16);
+      q8_planes[f][1][c] = (uint8_t)(bits >> 24);
+    }
+  }
+}
+typedef struct { __m512i lo0, lo1, hi0, hi1; } q8_lut;
+INLINE q8_lut q8_lut_load(int f) {
+  const q8_lut t = {_mm512_load_si512(q8_planes[f][0]), _mm512_load_si512(q8_planes[f][0] + 64),
+                    _mm512_load_si512(q8_planes[f][1]), _mm512_load_si512(q8_planes[f][1] + 64)};
+  return t;
+}
+/* Byte k of x then byte k of y, for k in [0, 32) (the index vector of vpermt2b; + 32 for
+   [32, 64)). */
+INLINE __m512i interleave_index(void) {
+  return _mm512_set_epi8(
+      95, 31, 94, 30, 93, 29, 92, 28, 91, 27, 90, 26, 89, 25, 88, 24,
+      87, 23, 86, 22, 85, 21, 84, 20, 83, 19, 82, 18, 81, 17, 80, 16,
+      79, 15, 78, 14, 77, 13, 76, 12, 75, 11, 74, 10, 73, 9, 72, 8,
+      71, 7, 70, 6, 69, 5, 68, 4, 67, 3, 66, 2, 65, 1, 64, 0);
+}
+/* The 64 codes z of format F as bfloat16: *a the first 32, *b the last 32 (exact). */
+INLINE void q8_lut_cvt(const q8_lut* t, __m512i z, const int F, __m512i* a, __m512i* b) {
+  const __m512i m = F == 0 ? _mm512_abs_epi8(z) : z; /* the index's bit 7 is ignored */
+  const __m512i lo = _mm512_permutex2var_epi8(t->lo0, m, t->lo1);
+  const __m512i hi = _mm512_ternarylogic_epi32( /* hi | (z & 0x80) */
+      _mm512_permutex2var_epi8(t->hi0, m, t->hi1), z, _mm512_set1_epi8((char)0x80), 0xF8);
+  const __m512i index = interleave_index();
+  *a = _mm512_permutex2var_epi8(lo, index, hi);
+  *b = _mm512_permutex2var_epi8(lo, _mm512_add_epi8(index, _mm512_set1_epi8(32)), hi);
+}
+/* As DEFINE_DEQUANT_BF16 (the key rows' tile for the scores), by the tables. */
+#define DEFINE_DEQUANT_PLANES(NAME, F)                                                       \
+INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,                    \
+                 const float* restrict lut, bf16_t* restrict tile, float* restrict sc,       \
+                 const int64_t D) {                                                          \
+  (void)lut;                                                                                 \
+  const q8_lut t = q8_lut_load(F);                                                           \
+  for (int64_t i = 0; i < n; i++) {                                                          \
+    const uint8_t* restrict r = rows + i * stride;                                           \
+    sc[i] = row_scale(r, D);                                                                 \
+    for (int64_t d = 0; d < D; d += 64) {                                                    \
+      __m512i x, y;                                                                          \
+      q8_lut_cvt(&t, _mm512_loadu_si512(r + d), F, &x, &y);                                  \
+      _mm512_storeu_si512(tile + i * D + d, x);                                              \
+      _mm512_storeu_si512(tile + i * D + d + 32, y);                                         \
+    }                                                                                        \
+  }                                                                                          \
+}
+/* The value rows in place, no tile: acc_g += sum_i wt_g[i] v_i for the G heads (bfloat16
+   weights wt_g = wt + g * TILE_KEYS), keys i and i + 1 in one instruction as step_bf16 does,
+   their codes interleaved byte by byte before the lookups; 64 dimensions x up to 4 heads of
+   accumulators. */
+#define DEFINE_VALUE_PLANES(NAME, F)                                                         \
+INLINE void NAME(const bf16_t* wt, const uint8_t* restrict v, int64_t vs, int64_t n,         \
+                 float* restrict acc, const int64_t D, const int64_t G) {                    \
+  const q8_lut t = q8_lut_load(F);                                                           \
+  const __m512i lo_index = interleave_index();                                               \
+  const __m512i hi_index = _mm512_add_epi8(lo_index, _mm512_set1_epi8(32));                  \
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {                                                    \
+    const int64_t gn = G - g0 < 4 ? G - g0 : 4;                                              \
+    for (int64_t dc = 0; dc < D; dc += 64) {                                                 \
+      __m512 a[4][4];                                                                        \
+      float* ag = acc + g0 * D + dc;                                                         \
+      for (int64_t g = 0; g < gn; g++)                                                       \
+        for (int c = 0; c < 4; c++) a[g][c] = _mm512_loadu_ps(ag + g * D + 16 * c);         \
+      for (int64_t i = 0; i < n; i += 2) {                                                   \
+        const int pair = i + 1 < n;                                                          \
+        const __m512i x = _mm512_loadu_si512(v + i * vs + dc);                               \
+        const __m512i y = pair ? _mm512_loadu_si512(v + (i + 1) * vs + dc)                   \
+                               : _mm512_setzero_si512();                                     \
+        __m512i r[4]; /* (key i, key i + 1) bfloat16 pairs of dimensions dc + 16 c.. */      \
+        q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, lo_index, y), F, &r[0], &r[1]);           \
+        q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, hi_index, y), F, &r[2], &r[3]);           \
+        for (int64_t g = 0; g < gn; g++) {                                                   \
+          uint32_t both;                                                                     \
+          memcpy(&both, wt + (g0 + g) * TILE_KEYS + i, sizeof both);                         \
+          const __m512bh wg = (__m512bh)_mm512_set1_epi32(                                   \
+              (int32_t)(pair ? both : both & 0xffffu));                                      \
+          for (int c = 0; c < 4; c++) a[g][c] = _mm512_dpbf16_ps(a[g][c], wg, (__m512bh)r[c]); \
+        }                                                                                    \
+      }                                                                                      \
+      for (int64_t g = 0; g < gn; g++)                                                       \
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(ag + g * D + 16 * c, a[g][c]);         \
+    }                                                                                        \
+  }                                                                                          \
+}                                                                                            \
+INLINE void value_rows_##NAME(const decode_args* a, const uint8_t* v, int64_t vs, int64_t n, \
+                              float* w, int64_t rf, float* acc, const int64_t D,             \
+                              const int64_t G) {                                             \
+  (void)a;                                                                                   \
+  bf16_t wt[BF16_TILE_GROUP * TILE_KEYS + 2]; /* + 2: the pair read past the last key */     \
+  float sc[TILE_KEYS];                                                                       \
+  for (int64_t i = 0; i < n; i++) sc[i] = row_scale(v + i * vs, D);                          \
+  scaled_weights_bf16(w, rf, sc, n, G, wt);                                                  \
+  NAME(wt, v, vs, n, acc, D, G);                                                             \
+}
+DEFINE_DEQUANT_PLANES(dequant_int8_planes, 0)
+DEFINE_DEQUANT_PLANES(dequant_e4m3_planes, 1)
+DEFINE_DEQUANT_PLANES(dequant_e5m2_planes, 2)
+DEFINE_VALUE_PLANES(value_int8_planes, 0)
+DEFINE_VALUE_PLANES(value_e4m3_planes, 1)
+DEFINE_VALUE_PLANES(value_e5m2_planes, 2)
 #endif
 
 /* One thread's part, as DEFINE_KERNEL's, over 8-bit rows of R = D + 2 bytes, KEYS rows of a
@@ -1071,8 +1200,24 @@ Q8_INSTANCE(q8_bf16_e5m2_avx512, bf16, float, dequant_e5m2_avx512, bf16_avx512)
 Q8_INSTANCE(q8_bf16_int8_bf16dp, bf16, bf16_t, dequant_int8_bf16, bf16)
 Q8_INSTANCE(q8_bf16_e4m3_bf16dp, bf16, bf16_t, dequant_e4m3_bf16, bf16)
 Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
+#ifdef USE_Q8_PLANES
+/* The table kernels: the key tile by the tables, the value rows in place. */
+#define Q8_PLANES_INSTANCE(FMT)                                                              \
+  DEFINE_TILE_ROWS(q8_bf16_##FMT##_planes, bf16, bf16_t, dequant_##FMT##_planes,             \
+                   score_tile_bf16, value_tile_bf16)                                         \
+  DEFINE_Q8_KERNEL(kernel_q8_bf16_##FMT##_planes, bf16, TILE_KEYS, no_prep,                  \
+                   score_rows_q8_bf16_##FMT##_planes, value_rows_value_##FMT##_planes)       \
+  DISPATCH_Q8(run_q8_bf16_##FMT##_planes, kernel_q8_bf16_##FMT##_planes)
+Q8_PLANES_INSTANCE(int8)
+Q8_PLANES_INSTANCE(e4m3)
+Q8_PLANES_INSTANCE(e5m2)
+#define PLANES(FMT, a) if (a->head_dim % 64 == 0) { run_q8_bf16_##FMT##_planes(a); return; }
+#else
+#define PLANES(FMT, a)
+#endif
 #define BF16DP(QT, FMT, a)                                                                   \
   if (QT##_is_bf16 && a->num_heads / a->num_kv_heads <= BF16_TILE_GROUP) {                   \
+    PLANES(FMT, a)                                                                           \
     run_q8_bf16_##FMT##_bf16dp(a); return;                                                   \
   }
 #else
@@ -1148,7 +1293,8 @@ Q8_ENTRY(bf16, e5m2, q8_bf16_lut)
 
 #ifdef PART_F32 /* once per library */
 /* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16,
-   bit 2 8-bit caches AVX-512, bit 3 AVX2 (for what the AVX-512 bits leave out). */
+   bit 2 8-bit caches AVX-512, bit 3 AVX2 (for what the AVX-512 bits leave out), bit 4 the
+   8-bit caches' AVX512-VBMI tables (bfloat16 queries, head_dim a multiple of 64). */
 int paged_decode_features(void) {
   int f = 0;
 #ifdef USE_AVX512
@@ -1162,6 +1308,9 @@ int paged_decode_features(void) {
 #endif
 #if defined(USE_AVX2_F32) || defined(USE_AVX2_BF16)
   f |= 8;
+#endif
+#if defined(USE_AVX512_BF16) && defined(__AVX512VBMI__)
+  f |= 16;
 #endif
   return f;
 }
