@@ -852,7 +852,8 @@ void paged_decode_attention_bf16(const decode_args* a) {
    convert int8; the AVX-512 (AVX2) ones convert 16 (8) bytes at a time: int8 sign-extends;
    e5m2 is the high byte of a float16; e4m3 (bias 7) sign-extended and shifted into float16's
    bit positions reads as the value times 2^-8, so its rows' scales are taken times 2^8
-   (exact).
+   (exact). With AVX512-VBMI and bfloat16 queries, 64 bytes at a time by table lookups
+   instead ("AVX512-VBMI" below).
    The quantizer never stores e4m3's NaN code (it clamps to +-448). */
 INLINE float row_scale(const uint8_t* row, int64_t D) {
   bf16_t s;
@@ -977,7 +978,7 @@ INLINE void value_tile_bf16(float* w, int64_t ws, const bf16_t* tile, const floa
 
 #if defined(USE_AVX512_BF16) && defined(__AVX512VBMI__) && defined(PART_Q8)
 #define USE_Q8_PLANES 1
-/* With AVX512-VBMI (head_dim a multiple of 64): 8-bit codes to bfloat16 by table lookups,
+/* AVX512-VBMI (head_dim a multiple of 64): 8-bit codes to bfloat16 by table lookups,
    64 at a time, instead of sign extension (or float16 decoding), float32 conversion and
    rounding to bfloat16 16 at a time. The bfloat16 values of the 128 magnitudes of a format
    are stored as two 128-byte planes, their low bytes and their high bytes; one byte permute
