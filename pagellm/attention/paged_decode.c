@@ -37,6 +37,9 @@
 #define USE_AVX512 1
 #if defined(__AVX512BF16__)
 #define USE_AVX512_BF16 1
+#if defined(__AVX512VBMI__)
+#define USE_Q8_PLANES 1 /* the 8-bit caches' table lookups ("AVX512-VBMI" below) */
+#endif
 #endif
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PAGELLM_PORTABLE)
@@ -283,6 +286,12 @@ INLINE __m512 dot_bf16(const __m512bh* qv, const bf16_t* k, const int64_t D) {
     x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
   return x;
 }
+/* (w[0], w[1]) broadcast as one little-endian word; (w[0], 0) without a pair. */
+INLINE __m512bh weight_pair(const bf16_t* w, int pair) {
+  uint32_t both;
+  memcpy(&both, w, sizeof both);
+  return (__m512bh)_mm512_set1_epi32((int32_t)(pair ? both : both & 0xffffu));
+}
 /* Keys i and i + 1 in one instruction: their rows interleaved element by element against
    (w_g[i], w_g[i + 1]) broadcast as a pair. */
 INLINE void step_bf16(const bf16_t* w, int64_t ws, const bf16_t* v, int64_t vs, int64_t i,
@@ -297,9 +306,7 @@ INLINE void step_bf16(const bf16_t* w, int64_t ws, const bf16_t* v, int64_t vs, 
   const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(x, lo_index, y);
   const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(x, hi_index, y);
   for (int64_t g = 0; g < gn; g++) {
-    uint32_t both; /* (w_g[i], w_g[i + 1]) as one little-endian word */
-    memcpy(&both, w + g * ws + i, sizeof both);
-    const __m512bh wg = (__m512bh)_mm512_set1_epi32((int32_t)(pair ? both : both & 0xffffu));
+    const __m512bh wg = weight_pair(w + g * ws + i, pair);
     a0[g] = _mm512_dpbf16_ps(a0[g], wg, lo);
     a1[g] = _mm512_dpbf16_ps(a1[g], wg, hi);
   }
@@ -976,8 +983,7 @@ INLINE void value_tile_bf16(float* w, int64_t ws, const bf16_t* tile, const floa
 }
 #endif
 
-#if defined(USE_AVX512_BF16) && defined(__AVX512VBMI__) && defined(PART_Q8)
-#define USE_Q8_PLANES 1
+#if defined(USE_Q8_PLANES) && defined(PART_Q8)
 /* AVX512-VBMI (head_dim a multiple of 64): 8-bit codes to bfloat16 by table lookups,
    64 at a time, instead of sign extension (or float16 decoding), float32 conversion and
    rounding to bfloat16 16 at a time. The bfloat16 values of the 128 magnitudes of a format
@@ -1070,10 +1076,7 @@ INLINE void NAME(const bf16_t* wt, const uint8_t* restrict v, int64_t vs, int64_
         q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, lo_index, y), F, &r[0], &r[1]);           \
         q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, hi_index, y), F, &r[2], &r[3]);           \
         for (int64_t g = 0; g < gn; g++) {                                                   \
-          uint32_t both;                                                                     \
-          memcpy(&both, wt + (g0 + g) * TILE_KEYS + i, sizeof both);                         \
-          const __m512bh wg = (__m512bh)_mm512_set1_epi32(                                   \
-              (int32_t)(pair ? both : both & 0xffffu));                                      \
+          const __m512bh wg = weight_pair(wt + (g0 + g) * TILE_KEYS + i, pair);              \
           for (int c = 0; c < 4; c++) a[g][c] = _mm512_dpbf16_ps(a[g][c], wg, (__m512bh)r[c]); \
         }                                                                                    \
       }                                                                                      \
@@ -1310,7 +1313,7 @@ int paged_decode_features(void) {
 #if defined(USE_AVX2_F32) || defined(USE_AVX2_BF16)
   f |= 8;
 #endif
-#if defined(USE_AVX512_BF16) && defined(__AVX512VBMI__)
+#ifdef USE_Q8_PLANES
   f |= 16;
 #endif
   return f;
