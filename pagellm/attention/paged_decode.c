@@ -656,6 +656,11 @@ INLINE void prefetch_share(const char* block, int64_t bytes, int64_t part, int64
    order, so these lines jump from sequence to sequence; with more rows than fit in L2
    (128 x 512: 4.7 MB of scores) each would otherwise be an L3 or memory miss the pair waits
    on. */
+/* Every 64-byte line of [p, p + bytes), for writing (RW 1) or reading (0). */
+#define PREFETCH_LINES(p, bytes, RW)                                                         \
+  for (const char *l_ = (const char*)((uintptr_t)(p) & ~(uintptr_t)63),                      \
+                  *e_ = (const char*)(p) + (bytes); l_ < e_; l_ += 64)                       \
+    __builtin_prefetch(l_, RW, 3)
 INLINE void prefetch_rows(const decode_args* a, int64_t pa, int64_t h, int64_t G, int pass,
                           int rounded, int64_t t) {
   const int64_t H = a->num_heads, rf = row_floats(a), bs = a->block_size;
@@ -663,14 +668,12 @@ INLINE void prefetch_rows(const decode_args* a, int64_t pa, int64_t h, int64_t G
   const float* row = a->workspace + r0 * rf;
   for (int64_t g = 0; g < G; g++) {
     if (pass == 0) {
-      __builtin_prefetch(row + g * rf + pos, 1, 3);
-      __builtin_prefetch(row + g * rf + pos + bs - 1, 1, 3);
+      PREFETCH_LINES(row + g * rf + pos, bs * (int64_t)sizeof(float), 1);
+    } else if (rounded == 1) {
+      PREFETCH_LINES((const bf16_t*)(row + g * rf + a->max_seq_len) + pos,
+                     bs * (int64_t)sizeof(bf16_t), 0);
     } else {
-      const char* w = rounded == 1
-          ? (const char*)((const bf16_t*)(row + g * rf + a->max_seq_len) + pos)
-          : (const char*)(row + g * rf + pos);
-      __builtin_prefetch(w, 0, 3);
-      __builtin_prefetch(w + (rounded == 1 ? 2 : 4) * bs - 1, 0, 3);
+      PREFETCH_LINES(row + g * rf + pos, bs * (int64_t)sizeof(float), 0);
     }
   }
   if (pass == 1) {
