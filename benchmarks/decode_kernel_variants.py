@@ -15,9 +15,10 @@ to the first source's bfloat16 time. Every source's output must equal the first 
 bit for bit (reported, not asserted: a variant may reorder sums on purpose).
 
 Workload (seed 0): the "small" Llama's decode attention (12 query heads over 4 KV heads,
-head_dim 64, block 16, bfloat16 queries, shuffled physical blocks): 16 x 512 over one
-layer's cache (K/V resident in L3: what the loops cost), and 64 x 512 and 128 x 512 over 12
-layers' caches of their own (read from memory, as a model step reads them).
+head_dim 64, blocks of 16 tokens unless --block-size says otherwise, bfloat16 queries,
+shuffled physical blocks): 16 x 512 over one layer's cache (K/V resident in L3: what the
+loops cost), and 64 x 512 and 128 x 512 over 12 layers' caches of their own (read from
+memory, as a model step reads them).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import torch
 
 from pagellm.attention import cpu_kernel, kv_quant
 from pagellm.bench.throughput import machine_info
-from quantization import HEAD_DIM, HEADS, KV_HEADS, decode_workload
+from quantization import BLOCK, HEAD_DIM, HEADS, KV_HEADS, decode_workload
 
 SHAPES = {"16x512-l3": (16, 512, 1, 40), "64x512": (64, 512, 12, 2),
           "128x512": (128, 512, 12, 1)}  # name: (sequences, context, layers, calls per round)
@@ -53,9 +54,9 @@ def load_kernel(index: int, source: Path):
 
 
 def measure(kernels: list, names: list[str], kv_dtypes: list[str], shape: tuple[int, ...],
-            iters: int) -> list[dict]:
+            iters: int, block_size: int = BLOCK) -> list[dict]:
     num_seqs, context, layers, calls_per_round = shape
-    decode, query, caches = decode_workload(num_seqs, context, layers, kv_dtypes)
+    decode, query, caches = decode_workload(num_seqs, context, layers, kv_dtypes, block_size)
     scale = HEAD_DIM ** -0.5
     calls, outs = {}, {}
     for i, kernel in enumerate(kernels):
@@ -86,7 +87,7 @@ def measure(kernels: list, names: list[str], kv_dtypes: list[str], shape: tuple[
     best = {key: min(t[1:]) for key, t in times.items()}
     base = best[0, kv_dtypes[0]]
     return [{"source": names[i], "kv_cache_dtype": kv_dtype, "num_seqs": num_seqs,
-             "context": context, "layers": layers,
+             "context": context, "layers": layers, "block_size": block_size,
              "ns_per_key_and_kv_head": round(best[i, kv_dtype] / key_heads * 1e9, 2),
              f"vs_first_{kv_dtypes[0]}": round(best[i, kv_dtype] / base, 3),
              "max_diff_from_first_source": (outs[i, kv_dtype].float()
@@ -105,7 +106,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=9, help="timed rounds (default 9)")
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help=f"comma-separated among: {', '.join(SHAPES)}")
+    parser.add_argument("--block-size", type=int, default=BLOCK,
+                        help=f"tokens per KV block (default {BLOCK})")
     args = parser.parse_args()
+    if args.block_size < 1:
+        parser.error(f"--block-size must be at least 1, got {args.block_size}")
     kv_dtypes = args.kv_dtypes.split(",")
     for kv_dtype in kv_dtypes:
         try:
@@ -132,7 +137,8 @@ def main() -> None:
         sources.append(Path(source))
     kernels = [load_kernel(i, source) for i, source in enumerate(sources)]
     runs = [run for shape in shapes
-            for run in measure(kernels, names, kv_dtypes, SHAPES[shape], args.iters)]
+            for run in measure(kernels, names, kv_dtypes, SHAPES[shape], args.iters,
+                               args.block_size)]
     print(json.dumps({"mode": "decode kernel variants", "threads": args.threads,
                       "iters": args.iters, **machine_info(), "runs": runs}, indent=1))
 

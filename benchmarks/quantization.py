@@ -70,27 +70,28 @@ def default_gguf() -> str:
     return str(path)
 
 
-def decode_workload(num_seqs: int, context: int, layers: int, kv_dtypes: Sequence[str]):
+def decode_workload(num_seqs: int, context: int, layers: int, kv_dtypes: Sequence[str],
+                    block: int = BLOCK):
     """The "small" model's decode attention workload (seed 0): 12 query heads over 4 KV heads,
-    head_dim 64, block 16, ``num_seqs`` sequences of ``context`` tokens on shuffled physical
-    blocks, bfloat16 queries. Returns the DecodeMetadata, the queries, and per KV dtype its
-    format (None: bfloat16) and ``layers`` (K, V) caches of random rows, allocated as the
-    engine allocates its cache."""
+    head_dim 64, blocks of ``block`` (16) tokens, ``num_seqs`` sequences of ``context``
+    tokens on shuffled physical blocks, bfloat16 queries. Returns the DecodeMetadata, the
+    queries, and per KV dtype its format (None: bfloat16) and ``layers`` (K, V) caches of
+    random rows, allocated as the engine allocates its cache."""
     gen = torch.Generator().manual_seed(0)
-    per_seq = -(-context // BLOCK)
+    per_seq = -(-context // block)
     num_blocks = num_seqs * per_seq + 8
     tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * per_seq].view(
         num_seqs, per_seq).tolist()
-    decode = AttentionMetadata.build([1] * num_seqs, [context] * num_seqs, tables, BLOCK).decode
+    decode = AttentionMetadata.build([1] * num_seqs, [context] * num_seqs, tables, block).decode
     query = torch.randn(num_seqs, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
     caches = {}
     for kv_dtype in kv_dtypes:
         fmt = kv_quant.kv_format(kv_dtype)
         row = HEAD_DIM + (kv_quant.SCALE_BYTES if fmt else 0)
-        shape = (num_blocks, BLOCK, KV_HEADS, row)
+        shape = (num_blocks, block, KV_HEADS, row)
 
         def cache(fmt=fmt, shape=shape) -> torch.Tensor:
-            data = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+            data = torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM, generator=gen)
             if fmt is None:
                 return _allocate_zeroed(shape, torch.bfloat16, torch.device("cpu")).copy_(data)
             return _allocate_zeroed(shape, torch.uint8, torch.device("cpu")).copy_(

@@ -34,9 +34,22 @@ def test_two_builds_of_one_source_report_side_by_side(monkeypatch, tmp_path):
     assert runs[0]["vs_first_auto"] == 1.0
 
 
+def test_another_block_size(monkeypatch):
+    """--block-size lays the same workload out in blocks of that many tokens (here 32, with a
+    last block half full), and the builds still agree bit for bit."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import decode_kernel_variants as bench
+
+    kernel = bench.load_kernel(0, Path(cpu_kernel._SOURCE))
+    runs = bench.measure([kernel, kernel], ["a", "b"], ["auto", "int8"], (3, 48, 1, 1), 1, 32)
+    assert [r["block_size"] for r in runs] == [32] * 4
+    assert all(r["max_diff_from_first_source"] == 0.0 for r in runs)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--kv-dtypes", "auto,int4"], "kv_cache_dtype='int4' is not supported"),
     (["--shapes", "8x8"], "unknown --shapes ['8x8']; choices: 16x512-l3, 64x512, 128x512"),
+    (["--block-size", "0"], "--block-size must be at least 1, got 0"),
 ])
 def test_bad_arguments_are_usage_errors(args, message):
     done = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
