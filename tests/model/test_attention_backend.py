@@ -73,9 +73,24 @@ def test_vectorised_matches_reference(block_size, sliding_window, which, decode_
 def test_cpu_decode_kernel_shapes(head_dim, num_heads, num_kv_heads, dtype, decode_path):
     """Decode-only steps of many sequences: every head layout, both dtypes, with and without
     a sliding window, against the float64 reference."""
+    check_decode_step(head_dim, num_heads, num_kv_heads, dtype, 8, [1, 5, 16, 17, 64, 130],
+                      (None, 12))
+
+
+# Blocks of more than 16 keys are worked 16 keys at a time (paged_decode.c's SLICE_KEYS); 40:
+# a last slice of 8; windows that start inside a slice, on its edge, and in an earlier block.
+@pytest.mark.parametrize("block_size", [32, 40])
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_kernel_large_blocks(block_size, head_dim, dtype, decode_path):
+    check_decode_step(head_dim, 12, 4, dtype, block_size, [1, 5, 17, 33, 40, 41, 100, 130],
+                      (None, 12, 20, 75))
+
+
+def check_decode_step(head_dim, num_heads, num_kv_heads, dtype, block_size, seq_lens, windows):
+    """One decode step over these context lengths (shuffled physical blocks), under each
+    window, against the float64 reference."""
     gen = torch.Generator().manual_seed(head_dim + num_heads)
-    seq_lens = [1, 5, 16, 17, 64, 130]
-    block_size = 8
     tables, next_block = [], 0
     order = torch.randperm(200, generator=gen).tolist()
     for n in seq_lens:
@@ -89,7 +104,7 @@ def test_cpu_decode_kernel_shapes(head_dim, num_heads, num_kv_heads, dtype, deco
     metadata = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
     tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else \
         {"atol": 2e-2, "rtol": 2e-2}
-    for window in (None, 12):
+    for window in windows:
         out = paged_attention(q, kv, kv, k_cache, v_cache, metadata, head_dim ** -0.5, window)
         expected = reference_paged_attention(q, k_cache, v_cache, [1] * len(seq_lens),
                                              seq_lens, tables, head_dim ** -0.5, window)

@@ -88,7 +88,8 @@ def decode_path(request, monkeypatch):
 
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
 @pytest.mark.parametrize("block_size, sliding_window, head_dim",
-                         [(4, None, 16), (16, 10, 32), (1, None, 16), (16, None, 64)])
+                         [(4, None, 16), (16, 10, 32), (1, None, 16), (16, None, 64),
+                          (40, 10, 64), (32, 20, 32)])  # 40, 32: blocks worked in slices
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_step_matches_dequantized_reference(fmt_name, block_size, sliding_window,
                                                   head_dim, dtype, decode_path, monkeypatch):
