@@ -643,11 +643,12 @@ INLINE void reduce_rows(const decode_args* a, int64_t nt, int bf16_out) {
 
 /* Software prefetch into L2 (prefetcht2: prefetcht0 stalls on the L1 fill buffers) of the
    block PREFETCH_AHEAD pairs ahead; called once per KV head with that head's share, so that
-   the requests spread over the block's work. Blocks of more than SLICE_KEYS keys are worked
-   SLICE_KEYS keys at a time instead, each slice issuing its part of the share
-   (prefetch_slice): a whole share at once (64 lines and more from 64 keys) is more requests
-   than the core keeps in flight, and the ones it cannot take arrive late or not at all
-   (bfloat16 1.4x, int8 1.3x slower per key at 128 keys than at 16, K/V read from memory). */
+   the requests spread over the block's work. Blocks of more than SLICE_KEYS keys (twice that
+   in the 16-bit AVX2 kernels, DEFINE_KERNEL's SLICE) are worked that many keys at a time
+   instead, each slice issuing its part of the share (prefetch_slice): a whole share at once
+   (64 lines and more from 64 keys) is more requests than the core keeps in flight, and the
+   ones it cannot take arrive late or not at all (K/V read from memory, 128-key blocks against
+   16: bfloat16 1.4x and int8 1.3x slower per key on a Zen 4 EPYC, int8 1.5x on a Zen 3). */
 #define PREFETCH_AHEAD 2
 #define SLICE_KEYS 16
 INLINE void prefetch_share(const char* block, int64_t bytes, int64_t part, int64_t parts) {
@@ -734,14 +735,14 @@ DEFINE_AVX2_VALUE(value_bf16_avx2, bf16_t, no_row_scale, 0, value_bf16_avx2_head
 /* What one thread of the parallel region does, for one (dtype, inner loops). It is inlined
    inside each instance's parallel region below, where D and G are literals (OpenMP outlines
    the region before constants propagate into it). */
-#define DEFINE_KERNEL(NAME, T, W, SCORE, VALUE, ROUNDED)                                     \
+#define DEFINE_KERNEL(NAME, T, W, SCORE, VALUE, ROUNDED, SLICE)                              \
 INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
   const int64_t KVH = a->num_kv_heads, H = a->num_heads, S = a->num_seqs;                    \
   const int64_t bs = a->block_size, rf = row_floats(a), L = a->max_seq_len;                  \
   const int64_t block_elems = bs * KVH * D, block_bytes = block_elems * (int64_t)sizeof(T);  \
   float* rows = a->workspace;                                                                \
   {                                                                                          \
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                      \
     const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;              \
     if (a->new_slots) {                                                                      \
       write_##T(a, S * t / nt, S * (t + 1) / nt, D);                                         \
@@ -751,23 +752,23 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
       const T* cache = (const T*)(pass == 0 ? a->k_cache : a->v_cache);                      \
       for (int64_t p = pb; p < pe; p++) {                                                    \
         const char* ahead = p + PREFETCH_AHEAD < pe                                          \
-            ? (const char*)(cache + a->pair_phys[p + PREFETCH_AHEAD] * block_elems) : 0;      \
+            ? (const char*)(cache + a->pair_phys[p + PREFETCH_AHEAD] * block_elems) : 0;     \
         int64_t lo;                                                                          \
         const int64_t hi = pair_keys(a, p, &lo), s = a->pair_seq[p];                         \
         const int64_t pos = a->pair_block[p] * bs + lo; /* position of key lo */             \
         const T* block = cache + a->pair_phys[p] * block_elems + lo * KVH * D;               \
         for (int64_t h = 0; h < KVH; h++) {                                                  \
-          const int sliced = bs > SLICE_KEYS;                                                \
+          const int sliced = bs > (SLICE);                                                   \
           if (ahead) {                                                                       \
             if (!sliced) prefetch_share(ahead, block_bytes, h, KVH);                         \
             prefetch_rows(a, p + PREFETCH_AHEAD, h, G, pass, ROUNDED, t);                    \
           }                                                                                  \
           float* row = rows + (s * H + h * G) * rf; /* query head h * G, then G - 1 more */  \
-          for (int64_t j = 0; j < bs; j += SLICE_KEYS) { /* one slice unless sliced */       \
+          for (int64_t j = 0; j < bs; j += (SLICE)) { /* one slice unless sliced */          \
             const int64_t k0 = sliced && j > lo ? j : lo;                                    \
-            const int64_t k1 = sliced && j + SLICE_KEYS < hi ? j + SLICE_KEYS : hi;          \
+            const int64_t k1 = sliced && j + (SLICE) < hi ? j + (SLICE) : hi;                \
             if (ahead && sliced) prefetch_slice(ahead, block_bytes, h, KVH, bs, j,           \
-                                                j + SLICE_KEYS < bs ? j + SLICE_KEYS : bs);  \
+                                                j + (SLICE) < bs ? j + (SLICE) : bs);        \
             if (k0 < k1 && pass == 0) {                                                      \
               SCORE((const T*)a->q + (s * H + h * G) * D, block + ((k0 - lo) * KVH + h) * D, \
                     KVH * D, k1 - k0, a->scale, row + pos + k0 - lo, rf, D, G);              \
@@ -787,19 +788,26 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
   }                                                                                          \
 }
 
-DEFINE_KERNEL(kernel_f32_portable, float, float, heads_f32_portable, value_f32_portable, 0)
-DEFINE_KERNEL(kernel_bf16_portable, bf16_t, bf16_t, heads_bf16_portable, value_bf16_portable, 1)
+/* SLICE: the keys per slice of larger blocks (SLICE_KEYS); 32 for the AVX2 loops, which
+   convert the query rows once per call: at 16 keys a call that cost more than the longer
+   bursts (bfloat16 on a Zen 3 EPYC, blocks of 32: 1.06x slower in 16-key slices). */
+DEFINE_KERNEL(kernel_f32_portable, float, float, heads_f32_portable, value_f32_portable, 0,
+              SLICE_KEYS)
+DEFINE_KERNEL(kernel_bf16_portable, bf16_t, bf16_t, heads_bf16_portable, value_bf16_portable, 1,
+              SLICE_KEYS)
 #ifdef USE_AVX512
-DEFINE_KERNEL(kernel_f32_avx512, float, float, heads_f32_avx512, value_f32_avx512, 0)
+DEFINE_KERNEL(kernel_f32_avx512, float, float, heads_f32_avx512, value_f32_avx512, 0, SLICE_KEYS)
 #endif
 #ifdef USE_AVX512_BF16
-DEFINE_KERNEL(kernel_bf16_avx512, bf16_t, bf16_t, heads_bf16_avx512, value_bf16_avx512, 1)
+DEFINE_KERNEL(kernel_bf16_avx512, bf16_t, bf16_t, heads_bf16_avx512, value_bf16_avx512, 1,
+              SLICE_KEYS)
 #endif
 #ifdef USE_AVX2_F32
-DEFINE_KERNEL(kernel_f32_avx2, float, float, score_f32_avx2, value_f32_avx2, 0)
+DEFINE_KERNEL(kernel_f32_avx2, float, float, score_f32_avx2, value_f32_avx2, 0, 2 * SLICE_KEYS)
 #endif
 #ifdef USE_AVX2_BF16
-DEFINE_KERNEL(kernel_bf16_avx2, bf16_t, float, score_bf16_avx2, value_bf16_avx2, 2)
+DEFINE_KERNEL(kernel_bf16_avx2, bf16_t, float, score_bf16_avx2, value_bf16_avx2, 2,
+              2 * SLICE_KEYS)
 #endif
 
 /* Instances with literal head_dim (64, 128) and group size (1, 2, 3, 4, 8), so that inner

@@ -77,8 +77,9 @@ def test_cpu_decode_kernel_shapes(head_dim, num_heads, num_kv_heads, dtype, deco
                       (None, 12))
 
 
-# Blocks of more than 16 keys are worked 16 keys at a time (paged_decode.c's SLICE_KEYS); 40:
-# a last slice of 8; windows that start inside a slice, on its edge, and in an earlier block.
+# Blocks of more than 16 keys (32 in the AVX2 loops) are worked in slices of that many keys
+# (paged_decode.c's SLICE_KEYS); 40: a last slice of 8; windows that start inside a slice, on
+# its edge, and in an earlier block.
 @pytest.mark.parametrize("block_size", [32, 40])
 @pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
