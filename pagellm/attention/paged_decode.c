@@ -740,6 +740,7 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
   const int64_t KVH = a->num_kv_heads, H = a->num_heads, S = a->num_seqs;                    \
   const int64_t bs = a->block_size, rf = row_floats(a), L = a->max_seq_len;                  \
   const int64_t block_elems = bs * KVH * D, block_bytes = block_elems * (int64_t)sizeof(T);  \
+  const int sliced = bs > (SLICE); /* else the block is one slice */                         \
   float* rows = a->workspace;                                                                \
   {                                                                                          \
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                      \
@@ -758,7 +759,6 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
         const int64_t pos = a->pair_block[p] * bs + lo; /* position of key lo */             \
         const T* block = cache + a->pair_phys[p] * block_elems + lo * KVH * D;               \
         for (int64_t h = 0; h < KVH; h++) {                                                  \
-          const int sliced = bs > (SLICE);                                                   \
           if (ahead) {                                                                       \
             if (!sliced) prefetch_share(ahead, block_bytes, h, KVH);                         \
             prefetch_rows(a, p + PREFETCH_AHEAD, h, G, pass, ROUNDED, t);                    \
@@ -1142,6 +1142,7 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
   const int64_t KVH = a->num_kv_heads, H = a->num_heads;                                     \
   const int64_t bs = a->block_size, rf = row_floats(a), R = D + 2;                           \
   const int64_t block_bytes = bs * KVH * R;                                                  \
+  const int sliced = bs > SLICE_KEYS; /* else the block is one slice */                      \
   float* rows = a->workspace;                                                                \
   {                                                                                          \
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
@@ -1156,7 +1157,6 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
         const int64_t hi = pair_keys(a, p, &lo), s = a->pair_seq[p];                         \
         const uint8_t* block = cache + a->pair_phys[p] * block_bytes;                        \
         for (int64_t h = 0; h < KVH; h++) {                                                  \
-          const int sliced = bs > SLICE_KEYS;                                                \
           if (ahead) {                                                                       \
             if (!sliced) prefetch_share(ahead, block_bytes, h, KVH);                         \
             prefetch_rows(a, p + PREFETCH_AHEAD, h, G, pass, 0, t);                          \
