@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/quantization.py quality --threads 1   # real GGUF model
     .venv/bin/python benchmarks/quantization.py attention --threads 1
+    .venv/bin/python benchmarks/quantization.py attention --threads 1 --processes 5
     .venv/bin/python benchmarks/quantization.py prefill-attention --threads 1
     .venv/bin/python benchmarks/quantization.py kv-memory --threads 1
     .venv/bin/python benchmarks/quantization.py weights --threads 1
@@ -14,9 +15,14 @@
   mean and max |logprob difference| of the chosen tokens, and greedy agreement (how often the
   variant's own top token is the baseline's).
 - ``attention``: 12 layers of decode attention of the "small" model (12 query / 4 KV heads,
-  head_dim 64, block 16) at 64 x 512 and 128 x 512 per KV dtype: the compiled kernel
-  (bfloat16 cache: its bfloat16 loops; 8-bit: the int8 / fp8 loops), the dtypes interleaved
-  pass by pass, the fastest of --iters passes each, and its time over auto's.
+  head_dim 64, block 16) at 64 x 512 and 128 x 512 per KV dtype (--kv-dtypes): the compiled
+  kernel (bfloat16 cache: its bfloat16 loops; 8-bit: the int8 / fp8 loops), the dtypes
+  interleaved pass by pass, the fastest of --iters passes each, and its time over auto's.
+  With ``--processes N`` each KV dtype instead runs alone in N fresh processes per shape (the
+  dtypes in turn, so that a slow phase of the machine hits all of them), and the report gives
+  the min / median / max of their fastest passes and the ratio of the medians: on a VM whose
+  memory speed depends on where a process's caches land, one process's ratio is not a
+  measurement (docs/BENCHMARKS.md).
 - ``prefill-attention``: one layer's prefill attention of the "small" model's shape, a fresh
   256-token prompt and chunks after 256, 768 and 1,024 cached tokens, per KV dtype (auto,
   int8, fp8), with the 8-bit caches' ``chunked_attention`` beside their own path.
@@ -40,10 +46,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -101,11 +110,12 @@ def decode_workload(num_seqs: int, context: int, layers: int, kv_dtypes: Sequenc
     return decode, query, caches
 
 
-def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
-    """Every KV dtype's 12 layers at num_seqs x context, the dtypes interleaved pass by pass
+def attention(num_seqs: int, context: int, iters: int,
+              kv_dtypes: Sequence[str] = KV_DTYPES) -> list[dict]:
+    """Each KV dtype's 12 layers at num_seqs x context, the dtypes interleaved pass by pass
     (so that a slow phase of the machine hits all of them), the fastest of ``iters`` passes."""
     layers = 12
-    decode, query, caches = decode_workload(num_seqs, context, layers, KV_DTYPES)
+    decode, query, caches = decode_workload(num_seqs, context, layers, kv_dtypes)
     scale = HEAD_DIM ** -0.5
     steps, row_bytes = {}, {}
     for kv_dtype, (fmt, layer_caches) in caches.items():
@@ -122,7 +132,7 @@ def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
         steps[kv_dtype] = step
         k_cache = layer_caches[0][0]
         row_bytes[kv_dtype] = k_cache.shape[-1] * k_cache.element_size()
-    times: dict[str, list[float]] = {kv_dtype: [] for kv_dtype in KV_DTYPES}
+    times: dict[str, list[float]] = {kv_dtype: [] for kv_dtype in kv_dtypes}
     for i in range(iters + 1):
         print(f"attention: {num_seqs} x {context}, pass {i + 1}/{iters + 1}", file=sys.stderr,
               flush=True)
@@ -131,7 +141,7 @@ def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
             step()
             times[kv_dtype].append(time.perf_counter() - start)
     runs = []
-    for kv_dtype in KV_DTYPES:
+    for kv_dtype in kv_dtypes:
         # the fastest pass (the first is a warm-up): other load only ever adds time
         ms = min(times[kv_dtype][1:]) * 1e3
         median = statistics.median(times[kv_dtype][1:]) * 1e3
@@ -139,9 +149,43 @@ def attention(num_seqs: int, context: int, iters: int) -> list[dict]:
         runs.append({"kv_cache_dtype": kv_dtype, "num_seqs": num_seqs, "context": context,
                      "ms_12_layers": round(ms, 2), "median_ms": round(median, 2),
                      "kv_bytes": kv_bytes, "gb_per_s": round(kv_bytes / ms / 1e6, 1)})
-    auto = runs[0]["ms_12_layers"]
-    for run in runs:
-        run["vs_auto"] = round(run["ms_12_layers"] / auto, 2)
+    if "auto" in kv_dtypes:
+        auto = runs[kv_dtypes.index("auto")]["ms_12_layers"]
+        for run in runs:
+            run["vs_auto"] = round(run["ms_12_layers"] / auto, 2)
+    return runs
+
+
+def attention_processes(num_seqs: int, context: int, iters: int, kv_dtypes: Sequence[str],
+                        processes: int, threads: int) -> list[dict]:
+    """``attention`` for one KV dtype at a time, each in ``processes`` fresh processes (the
+    dtypes in turn): per dtype the min / median / max of the processes' fastest passes, and
+    the ratio of its median to auto's."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    ms: dict[str, list[float]] = {kv_dtype: [] for kv_dtype in kv_dtypes}
+    for i in range(processes):
+        for kv_dtype in kv_dtypes:
+            print(f"attention: {num_seqs} x {context}, {kv_dtype}, process {i + 1}/{processes}",
+                  file=sys.stderr, flush=True)
+            done = subprocess.run(
+                [sys.executable, __file__, "attention", "--kv-dtypes", kv_dtype,
+                 "--num-seqs", str(num_seqs), "--context", str(context),
+                 "--iters", str(iters), "--threads", str(threads)],
+                env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"attention {kv_dtype} at {num_seqs} x {context}: "
+                                 f"the process failed:\n{done.stderr[-2000:]}")
+            ms[kv_dtype].append(json.loads(done.stdout)["runs"][0]["ms_12_layers"])
+    runs = [{"kv_cache_dtype": kv_dtype, "num_seqs": num_seqs, "context": context,
+             "processes": processes, "ms_12_layers": times,
+             "min_ms": min(times), "median_ms": statistics.median(times), "max_ms": max(times)}
+            for kv_dtype, times in ms.items()]
+    if "auto" in kv_dtypes:
+        auto = statistics.median(ms["auto"])
+        for run in runs:
+            run["median_vs_auto"] = round(run["median_ms"] / auto, 2)
     return runs
 
 
@@ -458,13 +502,43 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=48 << 20, help="KV bytes (kv-memory)")
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--seeds", default="0,1,2,3,4", help="workload seeds (kv-memory)")
+    parser.add_argument("--kv-dtypes", default=",".join(KV_DTYPES),
+                        help=f"KV cache dtypes (attention; default {','.join(KV_DTYPES)})")
+    parser.add_argument("--num-seqs", default="64,128",
+                        help="batch sizes (attention; default 64,128)")
+    parser.add_argument("--context", type=int, default=512,
+                        help="tokens per sequence (attention; default 512)")
+    parser.add_argument("--processes", type=int, default=0,
+                        help="attention: run each KV dtype alone in this many fresh processes "
+                             "per batch size and report the medians (default 0: all dtypes "
+                             "interleaved in this process)")
     args = parser.parse_args()
+    kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
+    unknown = [d for d in kv_dtypes if d not in KV_DTYPES]
+    if unknown or not kv_dtypes or len(set(kv_dtypes)) < len(kv_dtypes):
+        parser.error(f"--kv-dtypes {args.kv_dtypes!r}: give distinct values among "
+                     f"{', '.join(KV_DTYPES)}")
+    try:
+        num_seqs = [int(n) for n in args.num_seqs.split(",")]
+    except ValueError:
+        num_seqs = []
+    if not num_seqs or min(num_seqs) < 1:
+        parser.error(f"--num-seqs {args.num_seqs!r}: give positive integers, comma-separated")
+    if args.context < 1:
+        parser.error(f"--context {args.context}: must be at least 1")
+    if args.processes < 0:
+        parser.error(f"--processes {args.processes}: must be 0 or more")
     torch.set_num_threads(args.threads)
     if args.mode == "quality":
         result = quality(args.model or default_gguf(), args.prompts, args.new_tokens,
                          args.group_size)
+    elif args.mode == "attention" and args.processes:
+        result = {"processes": args.processes, "runs": [
+            run for n in num_seqs for run in attention_processes(
+                n, args.context, args.iters, kv_dtypes, args.processes, args.threads)]}
     elif args.mode == "attention":
-        result = {"runs": [run for n in (64, 128) for run in attention(n, 512, args.iters)]}
+        result = {"runs": [run for n in num_seqs
+                           for run in attention(n, args.context, args.iters, kv_dtypes)]}
     elif args.mode == "prefill-attention":
         result = {"runs": prefill_attention(args.iters)}
     elif args.mode == "kv-memory":

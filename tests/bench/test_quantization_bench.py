@@ -1,6 +1,6 @@
-"""benchmarks/quantization.py: the prefill-attention and crossover modes' reports, and the
-kv-memory mode's account of where each run's steps went, which must add up to the workload's
-tokens."""
+"""benchmarks/quantization.py: the attention, prefill-attention and crossover modes' reports
+(attention also one KV dtype per process), and the kv-memory mode's account of where each
+run's steps went, which must add up to the workload's tokens."""
 from __future__ import annotations
 
 import json
@@ -30,6 +30,54 @@ def bench_module(monkeypatch):
     import quantization
 
     return quantization
+
+
+def test_attention_report_for_chosen_kv_dtypes(monkeypatch):
+    from pagellm.attention import cpu_kernel
+
+    if not cpu_kernel.available():
+        pytest.skip("no compiled CPU kernel")
+    bench = bench_module(monkeypatch)
+    runs = bench.attention(3, 40, 1, ["int8", "auto"])
+    assert [r["kv_cache_dtype"] for r in runs] == ["int8", "auto"]
+    assert runs[1]["vs_auto"] == 1.0 and runs[0]["vs_auto"] > 0
+    assert runs[0]["kv_bytes"] == 2 * 12 * 3 * 40 * 4 * 66  # rows of 64 codes and a scale
+    (alone,) = bench.attention(3, 40, 1, ["fp8"])
+    assert "vs_auto" not in alone and alone["ms_12_layers"] > 0
+
+
+def test_attention_in_processes_reports_medians():
+    from pagellm.attention import cpu_kernel
+
+    if not cpu_kernel.available():
+        pytest.skip("no compiled CPU kernel")
+    report = run("attention", "--num-seqs", "3", "--context", "40", "--iters", "1",
+                 "--processes", "2", "--kv-dtypes", "auto,int8")
+    assert report["processes"] == 2
+    assert [(r["kv_cache_dtype"], r["num_seqs"], r["context"]) for r in report["runs"]] == [
+        ("auto", 3, 40), ("int8", 3, 40)]
+    for entry in report["runs"]:
+        times = entry["ms_12_layers"]
+        assert len(times) == 2 and min(times) > 0
+        assert (entry["min_ms"], entry["max_ms"]) == (min(times), max(times))
+        assert entry["min_ms"] <= entry["median_ms"] <= entry["max_ms"]
+    auto, int8 = report["runs"]
+    assert auto["median_vs_auto"] == 1.0
+    assert int8["median_vs_auto"] == round(int8["median_ms"] / auto["median_ms"], 2)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--kv-dtypes", "int4"], "--kv-dtypes 'int4'"),
+    (["--kv-dtypes", "int8,int8"], "--kv-dtypes 'int8,int8'"),
+    (["--num-seqs", "0"], "--num-seqs '0'"),
+    (["--num-seqs", "a"], "--num-seqs 'a'"),
+    (["--context", "0"], "--context 0"),
+    (["--processes", "-1"], "--processes -1"),
+])
+def test_attention_bad_arguments_are_usage_errors(args, named):
+    done = subprocess.run([sys.executable, SCRIPT, "attention", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and named in done.stderr, done.stderr[-1000:]
 
 
 def test_prefill_attention_report(monkeypatch):
