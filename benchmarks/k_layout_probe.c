@@ -67,6 +67,7 @@ static inline void cvt16(__m128i b, __m256* x0, __m256* x1) {
   *x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
 }
 #endif
+/* paged_decode.c's sum4 and score loop, copied so that the probe builds on its own */
 static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
   const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
