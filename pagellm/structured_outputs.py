@@ -35,7 +35,7 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """Exactly one constraint. ``disable_any_whitespace`` (vLLM's flag) makes JSON compact:
-    ``", "`` and ``": "`` separators and no other whitespace. It defaults to True here, unlike
+    ``,`` and ``:`` separators and no whitespace. It defaults to True here, unlike
     vLLM: a model free to add whitespace anywhere may add it forever (small and random models
     do), and OpenAI's own structured outputs are compact too; pass False for vLLM's behaviour.
     """

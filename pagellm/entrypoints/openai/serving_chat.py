@@ -32,8 +32,9 @@ from pagellm.entrypoints.openai.serving import (LOGPROB_FLOOR, DeltaTracker, Eve
                                                 sse_events, truncate_prompt, usage_of)
 from pagellm.entrypoints.openai.tool_calls import (ReasoningStreamer, ToolCallStreamer,
                                                    extract_calls, forced_call_grammar,
-                                                   split_reasoning)
+                                                   split_reasoning, strict_call_grammar)
 from pagellm.outputs import CompletionOutput, LogprobsDict
+from pagellm.structured_outputs import StructuredOutputsParams
 
 # apply_chat_template's own arguments: chat_template_kwargs must not set them
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -216,6 +217,13 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         named = tools.mode[6:] if tools.mode.startswith("named:") else None
         structured = forced_call_grammar(req.tools, named, req.parallel_tool_calls)
         await compile_constraint(ctx, structured, "tools")
+    elif tools.mode is not None:  # auto: constrained only when a function asks for strict
+        strict = await _strict_calls(ctx, req, tools.mode)
+        if strict is not None:
+            if structured is not None:
+                raise APIError("tools with strict: true cannot be combined with "
+                               "response_format, structured_outputs or guided_*", 400, "tools")
+            structured = strict
     params = sampling_params(req, max_tokens, logprobs, structured=structured)
     request_id = random_id("chatcmpl")
     stream = await add_requests(ctx, [NewRequest(request_id, {"prompt_token_ids": ids}, params,
@@ -238,6 +246,27 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         prompt_logprobs=prompt_logprobs_of(ctx, output) if req.prompt_logprobs is not None
         else None)
     return JSONResponse(response.model_dump(mode="json"))
+
+
+async def _strict_calls(ctx: ServerContext, req: ChatCompletionRequest,
+                        parser: str) -> StructuredOutputsParams | None:
+    """The compiled grammar of strict tool calls in auto mode (None when no function is
+    strict). A strict function whose schema cannot be enforced is a 400 naming it."""
+    grammar = strict_call_grammar(req.tools, parser, req.parallel_tool_calls)
+    if grammar is None:
+        return None
+    for i, tool in enumerate(req.tools):
+        fn = tool.function
+        if not fn.strict or not fn.parameters:
+            continue
+        field = f"tools.{i}.function.parameters"
+        try:
+            await compile_constraint(ctx, StructuredOutputsParams(json=fn.parameters), field)
+        except (APIError, ValueError) as exc:
+            raise APIError(f"function {fn.name!r} has strict: true, but its parameters schema "
+                           f"cannot be enforced: {exc}", 400, field) from exc
+    await compile_constraint(ctx, grammar, "tools")
+    return grammar
 
 
 def _message(ctx: ServerContext, c: CompletionOutput, tools: ToolMode) -> ChatResponseMessage:

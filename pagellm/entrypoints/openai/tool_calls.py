@@ -11,7 +11,8 @@ Parsers (``--tool-call-parser``), for ``tool_choice="auto"``:
 ``tool_choice="required"`` and a named function are enforced by a JSON-schema grammar
 (structured outputs), so the text always parses: ``required`` generates a JSON array of
 ``{"name", "arguments"}`` objects (one item unless ``parallel_tool_calls``), a named function
-generates its arguments object alone.
+generates its arguments object alone. Under ``"auto"``, a function with ``strict: true`` puts
+the whole answer under a grammar (``strict_call_grammar``): text stays free, calls always parse.
 
 Streaming: a call's first piece carries its id and name, once the name is complete; then the
 arguments text follows as the model writes it, exactly as the text holds it (so the pieces add
@@ -55,6 +56,38 @@ def forced_call_grammar(tools: list[Tool], named: str | None,
     if not parallel:
         schema["maxItems"] = 1
     return StructuredOutputsParams(json=schema)
+
+
+def strict_call_grammar(tools: list[Tool], parser: str,
+                        parallel: bool) -> StructuredOutputsParams | None:
+    """For ``tool_choice="auto"``: None unless a function sets ``strict: true``, else the grammar
+    the answer is generated under: free text or tool calls in ``parser``'s format, never a call
+    that does not parse. Every call names one of ``tools``; a strict function's arguments are
+    valid by its ``parameters`` schema, the others' are any JSON object. One call at most unless
+    ``parallel``."""
+    if not any(t.function.strict for t in tools):
+        return None
+    key = "arguments" if parser == "hermes" else "parameters"
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t.function.name},
+                             key: _parameters(t.function.parameters) if t.function.strict
+                             else {"type": "object"}},
+              "required": ["name", key], "additionalProperties": False} for t in tools]
+    # spaced as the Hermes prompt and the templates' tojson write a call
+    call = json.dumps({"anyOf": calls, "x-guidance": {
+        "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}})
+    if parser == "hermes":
+        # the lazy opener ends at the first <tool_call>: a tag in the text always opens a call
+        rules = ["start: call* TEXT" if parallel else "start: TEXT | call",
+                 rf'call: call_open "\n"? %json {call} "\n"? "</tool_call>"',
+                 f'call_open[lazy]: TEXT "{_HERMES_OPEN}"',
+                 r"TEXT: /(.|\n)*/"]
+    else:  # llama3_json: text that does not start like a call, or the answer is calls
+        calls_rule = 'WS? call (";" WS? call)*' if parallel else "WS? call"
+        rules = [f"start: TEXT | {calls_rule}", f"call: %json {call}",
+                 r"TEXT: /(.|\n)*/ & ~/[ \t\r\n]*(\{|<\|python_tag\|>)(.|\n)*/",
+                 r"WS: /[ \t\r\n]+/"]
+    return StructuredOutputsParams(grammar="\n".join(["%llguidance {}", *rules]) + "\n")
 
 
 def _parameters(schema: dict | None) -> dict:
