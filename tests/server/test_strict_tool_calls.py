@@ -100,6 +100,30 @@ def test_llama3_json_grammar(compiler, text, parallel, ok):
     assert accepts(compiler, params, text) is ok
 
 
+@pytest.mark.parametrize("parser, reasoning, text, ok", [
+    # think: an optional leading <think>...</think>, where a call tag is only text
+    ("hermes", "think", f"<think>I could write <tool_call> here.</think>Sure. "
+     f"<tool_call>{GOOD}</tool_call>", True),
+    ("hermes", "think", "<think>Nothing to call.</think>It is sunny.", True),
+    ("hermes", "think", f"<tool_call>{GOOD}</tool_call>", True),
+    ("hermes", "think", "<think>Still thinking <tool_call>", True),  # unfinished reasoning
+    ("hermes", "think", "<think>x</think> <tool_call>oops", False),
+    ("llama3_json", "think", '<think>Oslo.</think>\n{"name": "get_time", '
+     '"parameters": {"zone": 1}}', True),
+    ("llama3_json", "think", '<think>Oslo.</think>{"name": "get_time"}', False),
+    # deepseek_r1: the template opened <think>; the reasoning runs to </think>, or to the end
+    ("hermes", "deepseek_r1", f"Plan: <tool_call> maybe.</think>\n<tool_call>{GOOD}"
+     "</tool_call>", True),
+    ("hermes", "deepseek_r1", "All reasoning, <tool_call> included", True),
+    ("hermes", "deepseek_r1", "Done.</think>Sure <tool_call>oops", False),
+    ("llama3_json", "deepseek_r1", 'ok</think>{"name": "get_time", "parameters": '
+     '{"zone": 99}}', False),
+])
+def test_reasoning_is_free_text(compiler, parser, reasoning, text, ok):
+    params = strict_call_grammar(tools(WEATHER, TIME), parser, True, reasoning)
+    assert accepts(compiler, params, text) is ok
+
+
 def random_walk(compiler, params, prefix: str, rng: random.Random, max_tokens: int = 300):
     """A model that, after ``prefix``, picks uniformly among the tokens the grammar allows
     (EOS, when allowed, with probability 0.3): the text, or None past ``max_tokens``."""

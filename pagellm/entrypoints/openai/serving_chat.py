@@ -252,7 +252,8 @@ async def _strict_calls(ctx: ServerContext, req: ChatCompletionRequest,
                         parser: str) -> StructuredOutputsParams | None:
     """The compiled grammar of strict tool calls in auto mode (None when no function is
     strict). A strict function whose schema cannot be enforced is a 400 naming it."""
-    grammar = strict_call_grammar(req.tools, parser, req.parallel_tool_calls)
+    reasoning = ctx.chat.reasoning_parser if ctx.chat is not None else None
+    grammar = strict_call_grammar(req.tools, parser, req.parallel_tool_calls, reasoning)
     if grammar is None:
         return None
     for i, tool in enumerate(req.tools):

@@ -58,13 +58,14 @@ def forced_call_grammar(tools: list[Tool], named: str | None,
     return StructuredOutputsParams(json=schema)
 
 
-def strict_call_grammar(tools: list[Tool], parser: str,
-                        parallel: bool) -> StructuredOutputsParams | None:
+def strict_call_grammar(tools: list[Tool], parser: str, parallel: bool,
+                        reasoning: str | None = None) -> StructuredOutputsParams | None:
     """For ``tool_choice="auto"``: None unless a function sets ``strict: true``, else the grammar
     the answer is generated under: free text or tool calls in ``parser``'s format, never a call
     that does not parse. Every call names one of ``tools``; a strict function's arguments are
     valid by its ``parameters`` schema, the others' are any JSON object. One call at most unless
-    ``parallel``."""
+    ``parallel``. With a ``reasoning`` parser the reasoning (``split_reasoning``'s) is free text
+    in which a call tag is only text."""
     if not any(t.function.strict for t in tools):
         return None
     key = "arguments" if parser == "hermes" else "parameters"
@@ -76,17 +77,35 @@ def strict_call_grammar(tools: list[Tool], parser: str,
     # spaced as the Hermes prompt and the templates' tojson write a call
     call = json.dumps({"anyOf": calls, "x-guidance": {
         "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}})
+    # FIRST: the text an answer may start with (not a call; after the reasoning, if any)
+    not_first = {"hermes": [], "llama3_json": [r"\{", r"<\|python_tag\|>"]}[parser]
+    if reasoning == "think":  # an answer starting with <think> is reasoning
+        not_first.append("<think>")
+    first = r"/(.|\n)*/" + (rf" & ~/[ \t\r\n]*({'|'.join(not_first)})(.|\n)*/"
+                            if not_first else "")
+    rules = [f"call_json: %json {call}", f"FIRST: {first}", r"TEXT: /(.|\n)*/"]
     if parser == "hermes":
-        # the lazy opener ends at the first <tool_call>: a tag in the text always opens a call
-        rules = ["start: call* TEXT" if parallel else "start: TEXT | call",
-                 rf'call: call_open "\n"? %json {call} "\n"? "</tool_call>"',
-                 f'call_open[lazy]: TEXT "{_HERMES_OPEN}"',
-                 r"TEXT: /(.|\n)*/"]
+        # a lazy opener ends at the first <tool_call>: a tag in the text always opens a call
+        rules += ["answer: FIRST | first_call call* TEXT" if parallel
+                  else "answer: FIRST | first_call",
+                  rf'first_call: first_open "\n"? call_json "\n"? "{_HERMES_CLOSE}"',
+                  rf'call: call_open "\n"? call_json "\n"? "{_HERMES_CLOSE}"',
+                  f'first_open[lazy]: FIRST "{_HERMES_OPEN}"',
+                  f'call_open[lazy]: TEXT "{_HERMES_OPEN}"']
     else:  # llama3_json: text that does not start like a call, or the answer is calls
-        calls_rule = 'WS? call (";" WS? call)*' if parallel else "WS? call"
-        rules = [f"start: TEXT | {calls_rule}", f"call: %json {call}",
-                 r"TEXT: /(.|\n)*/ & ~/[ \t\r\n]*(\{|<\|python_tag\|>)(.|\n)*/",
-                 r"WS: /[ \t\r\n]+/"]
+        rules += ['answer: FIRST | WS? call_json (";" WS? call_json)*' if parallel
+                  else "answer: FIRST | WS? call_json", r"WS: /[ \t\r\n]+/"]
+    # the reasoning runs to the first </think>, or to the end (split_reasoning's rule)
+    unfinished = r"REASONING: /{}(.|\n)*/ & ~/(.|\n)*<\/think>(.|\n)*/"
+    if reasoning == "think":  # optional, leading
+        rules += ["start: think? answer | REASONING",
+                  r"think[lazy]: /[ \t\r\n]*<think>(.|\n)*<\/think>/",
+                  unfinished.format(r"[ \t\r\n]*<think>")]
+    elif reasoning == "deepseek_r1":  # the template opened <think>
+        rules += ["start: think answer | REASONING", r"think[lazy]: /(.|\n)*<\/think>/",
+                  unfinished.format("")]
+    else:
+        rules.append("start: answer")
     return StructuredOutputsParams(grammar="\n".join(["%llguidance {}", *rules]) + "\n")
 
 
