@@ -72,6 +72,24 @@ def test_user_errors_exit_2(tmp_path, capsys):
         main(["kv-calc"])  # a model source is required
 
 
+def test_dtype_is_the_model_dtype_as_for_serve(capsys):
+    """--dtype names the model dtype (the KV cache's unless --kv-cache-dtype overrides it), as
+    for serve and vLLM; an 8-bit dtype there is a usage error pointing to --kv-cache-dtype."""
+    preset = ["kv-calc", "--preset", "llama-2-7b"]
+    assert run_json(capsys, *preset, "--dtype", "bf16")["dtype"] == "bfloat16"
+    report = run_json(capsys, *preset, "--dtype", "float32", "--kv-cache-dtype", "int8")
+    assert (report["dtype"], report["bytes_per_token"]) == ("int8", 2 * 32 * 32 * (128 + 2))
+    assert run_json(capsys, *preset, "--kv-cache-dtype", "auto")["dtype"] == "float16"
+    for bad, message in (("int8", "'int8' is not a model dtype: auto, float16, bfloat16, "
+                                  "float32; an int8 KV cache is --kv-cache-dtype int8"),
+                         ("fp4", "'fp4' is not a model dtype: auto, float16, bfloat16, float32")):
+        with pytest.raises(SystemExit) as exc:
+            main([*preset, "--dtype", bad])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert main([*preset, "--kv-cache-dtype", "int4"]) == 2
+    assert "unknown KV cache dtype 'int4'" in capsys.readouterr().err
+
+
 def test_kv_package_imports_no_torch():
     code = ("import sys, pagellm.kv, pagellm.entrypoints.commands.kv_calc;"
             "assert 'torch' not in sys.modules, 'pagellm.kv imported torch'")

@@ -10,7 +10,11 @@ import json
 import textwrap
 from typing import Any
 
-from pagellm.kv.memory import PRESETS, KVMemoryModel, format_bytes, parse_size
+from pagellm.kv.memory import (PRESETS, KVMemoryModel, canonical_dtype, format_bytes,
+                              parse_size)
+
+# what --dtype may name: the dtypes weights and activations are computed in
+MODEL_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,10 +29,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="model directory holding config.json, or a GGUF file")
     source.add_argument("--config", metavar="FILE", help="a HuggingFace config.json")
     source.add_argument("--preset", choices=sorted(PRESETS), help="a built-in public config")
-    parser.add_argument("--dtype", "--kv-cache-dtype", dest="dtype", default="auto",
-                        help="KV cache dtype: float16, bfloat16, float32, int8, fp8 (= fp8_e4m3), "
-                             "fp8_e5m2 (8-bit caches add a 2-byte scale per token and KV "
-                             "head; default: the config's torch_dtype)")
+    parser.add_argument("--dtype", type=_model_dtype, default="auto",
+                        help="the model dtype, as for serve: auto (the config's torch_dtype), "
+                             "float16, bfloat16 or float32; the KV cache's unless "
+                             "--kv-cache-dtype says otherwise")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV cache dtype: auto (the model dtype), float16, bfloat16, "
+                             "float32, int8, fp8 (= fp8_e4m3), fp8_e5m2 (8-bit caches add a "
+                             "2-byte scale per token and KV head)")
     parser.add_argument("--batch", type=_positive_int, default=1, help="sequences (default 1)")
     parser.add_argument("--seq-len", type=_positive_int, default=2048,
                         help="tokens per sequence (default 2048)")
@@ -51,6 +59,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _model_dtype(text: str) -> str:
+    if text == "auto":
+        return text
+    try:
+        dtype = canonical_dtype(text)
+    except ValueError:
+        dtype = None
+    if dtype not in MODEL_DTYPES:
+        hint = (f"; an {text} KV cache is --kv-cache-dtype {text}"
+                if dtype is not None else "")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a model dtype: auto, {', '.join(MODEL_DTYPES)}{hint}")
+    return dtype
+
+
 def _memory_size(text: str) -> int:
     try:
         return parse_size(text)
@@ -59,11 +82,12 @@ def _memory_size(text: str) -> int:
 
 
 def load_memory_model(args: argparse.Namespace) -> KVMemoryModel:
+    dtype = args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     if args.preset:
-        return KVMemoryModel.from_preset(args.preset, args.dtype)
+        return KVMemoryModel.from_preset(args.preset, dtype)
     if args.config:
-        return KVMemoryModel.from_config_file(args.config, args.dtype)
-    return KVMemoryModel.from_model_dir(args.model, args.dtype)
+        return KVMemoryModel.from_config_file(args.config, dtype)
+    return KVMemoryModel.from_model_dir(args.model, dtype)
 
 
 def compute_report(model: KVMemoryModel, batch: int, seq_len: int, block_size: int,
