@@ -226,13 +226,43 @@ def test_penalties_match_reference_loop() -> None:
               SamplingParams(temperature=0.0, frequency_penalty=2.0)]
     prompts = [[1, 2, 2, 40], [3, 4], [5, 6, 7, 8, 9], [], []]
     outputs = [[2, 11, 11], [4, 4, 4, 12], [6, 13, 13, 13, 49], [0], []]
-    got = _apply_penalties(logits.clone(), params, prompts, outputs)
+    got = logits.clone()
+    _apply_penalties(got, torch.arange(5), params, prompts, outputs)
     for i, p in enumerate(params):
         want = reference_penalties(logits[i].tolist(), p, prompts[i], outputs[i])
         assert got[i].tolist() == pytest.approx(want, abs=1e-5), i
+    # on chosen rows of a larger batch (the others untouched)
+    wide = torch.cat([logits, random_logits(3, seed=4)])[[5, 0, 6, 1, 2, 7, 3, 4]]
+    before = wide.clone()
+    _apply_penalties(wide, torch.tensor([1, 3, 4, 6, 7]), params, prompts, outputs)
+    assert torch.equal(wide[[1, 3, 4, 6, 7]], got)
+    assert torch.equal(wide[[0, 2, 5]], before[[0, 2, 5]])
     # And the sampler uses them: greedy picks the argmax of the penalised logits.
     out = Sampler(VOCAB, EOS)(logits, make_meta(params, prompts, outputs))
     assert out.token_ids == got.argmax(-1).tolist()
+
+
+def test_one_sampler_over_many_steps_equals_fresh_ones() -> None:
+    """The sampler keeps its processed copy of the logits from call to call: steps of
+    different sizes, with penalties, logprobs and random rows, give what a fresh sampler gives,
+    and never touch the logits passed in."""
+    sampler = Sampler(VOCAB, EOS)
+    for step, rows in enumerate([6, 2, 9, 1, 9, 4]):
+        logits = random_logits(rows, seed=10 + step)
+        given = logits.clone()
+        params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, logprobs=2,
+                                 presence_penalty=0.5 * (i % 3), repetition_penalty=1.2)
+                  for i in range(rows)]
+        outputs = [[i, i + 1, 7] for i in range(rows)]
+
+        def meta():
+            return SamplingMetadata(params, [[3, 4]] * rows, outputs, [
+                torch.Generator().manual_seed(100 * step + i) for i in range(rows)])
+
+        got, want = sampler(logits, meta()), Sampler(VOCAB, EOS)(logits, meta())
+        assert (got.token_ids, got.logprobs, got.top_logprobs) == \
+            (want.token_ids, want.logprobs, want.top_logprobs)
+        assert torch.equal(logits, given)
 
 
 def test_repetition_penalty_changes_the_greedy_choice() -> None:
