@@ -210,6 +210,15 @@ def truncate_prompt(req: SamplingRequest, ids: list[int]) -> list[int]:
     return ids[-k:]
 
 
+def check_prompt_length(ctx: ServerContext, ids: list[int], field: str) -> None:
+    """The engine's limit, checked here so that the 400 names the field (OpenAI's
+    ``context_length_exceeded``)."""
+    if len(ids) >= ctx.max_model_len:
+        raise APIError(f"the prompt has {len(ids)} tokens, but max_model_len is "
+                       f"{ctx.max_model_len}: it must leave room for at least one generated "
+                       "token", 400, field, code="context_length_exceeded")
+
+
 def prompt_logprobs_of(ctx: ServerContext, output: RequestOutput
                        ) -> list[dict[str, PromptLogprobEntry] | None] | None:
     """vLLM's response shape: one entry per prompt token (the first None), keyed by id."""

@@ -26,7 +26,7 @@ from pagellm.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk
                                                  DeltaMessage, TopLogprob, random_id)
 from pagellm.entrypoints.openai.serving import (LOGPROB_FLOOR, DeltaTracker, EventStreamResponse,
                                                 ServerContext, add_requests, check_outputs,
-                                                collect, compile_constraint,
+                                                check_prompt_length, collect, compile_constraint,
                                                 prompt_logprobs_of, request_constraint,
                                                 sampling_params,
                                                 sse_events, truncate_prompt, usage_of)
@@ -206,6 +206,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     tools = _tool_mode(ctx, req)
     ids = truncate_prompt(req, await chat_prompt_ids(ctx, req.messages,
                                                      req.add_generation_prompt, req))
+    check_prompt_length(ctx, ids, "messages")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -23,7 +23,7 @@ from pagellm.entrypoints.openai.protocol import (CompletionChoice, CompletionLog
                                                  random_id)
 from pagellm.entrypoints.openai.serving import (LOGPROB_FLOOR, DeltaTracker, EventStreamResponse,
                                                 ServerContext, add_requests, check_outputs,
-                                                collect, prompt_logprobs_of,
+                                                check_prompt_length, collect, prompt_logprobs_of,
                                                 request_constraint, sampling_params,
                                                 sse_events, truncate_prompt, usage_of)
 from pagellm.outputs import LogprobsDict, RequestOutput
@@ -46,6 +46,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                        "which returns the prompt alone)", 400, "max_tokens")
     echo_only = _echo_only(req)
     prompts = [(text, truncate_prompt(req, ids)) for text, ids in await _prompts(ctx, req.prompt)]
+    for i, (_, ids) in enumerate(prompts):
+        check_prompt_length(ctx, ids, "prompt" if len(prompts) == 1 else f"prompt.{i}")
     if req.truncate_prompt_tokens is not None:  # echo shows the prompt the model saw
         prompts = [(await ctx.tokenization.decode(ids, "prompt"), ids) for _, ids in prompts]
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
