@@ -55,6 +55,13 @@ class EngineDeadError(RuntimeError):
     """The engine itself failed (several steps in a row): no request can be served."""
 
 
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    """ValueError unless a prompt of ``num_tokens`` leaves room for one generated token."""
+    if num_tokens >= max_model_len:
+        raise ValueError(f"the prompt has {num_tokens} tokens, but max_model_len is "
+                         f"{max_model_len}: it must leave room for at least one generated token")
+
+
 class LLMEngine:
     """Continuous-batching engine. Not thread-safe: one caller drives ``step()``."""
 
@@ -143,10 +150,7 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be Python ints, got {bad!r} "
                                  f"({type(bad).__name__})")
             raise ValueError(f"prompt token id {bad!r} is out of range [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is "
-                f"{self.max_model_len}: it must leave room for at least one generated token")
+        check_prompt_length(len(token_ids), self.max_model_len)
 
     def _validate_params(self, params: SamplingParams) -> None:
         limit = self.args.max_num_seqs

@@ -259,9 +259,10 @@ def _apply_penalties(logits: Tensor, at: Tensor, params: list[SamplingParams],
         prompt_rows, prompt_tokens = _flatten(prompt_ids, device)
         rows, tokens = _unique_pairs(torch.cat([out_rows, prompt_rows]),
                                      torch.cat([out_tokens, prompt_tokens]), vocab)
-        values = logits[at[rows], tokens]
+        where = (at[rows], tokens)
+        values = logits[where]
         factor = repetition[rows]
-        logits[at[rows], tokens] = torch.where(values > 0, values / factor, values * factor)
+        logits[where] = torch.where(values > 0, values / factor, values * factor)
     if any(p.frequency_penalty != 0.0 for p in params):
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
         # Accumulating once per occurrence subtracts penalty × count.

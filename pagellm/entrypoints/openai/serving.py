@@ -14,6 +14,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagellm.core.async_engine import AsyncLLMEngine, NewRequest, OutputStream
+from pagellm.core.engine import check_prompt_length as engine_check_prompt_length
 from pagellm.entrypoints.openai.errors import APIError, api_error_from_exception, error_body
 from pagellm.entrypoints.openai.protocol import (PromptLogprobEntry, PromptTokensDetails,
                                                  SamplingRequest, UsageInfo)
@@ -211,12 +212,12 @@ def truncate_prompt(req: SamplingRequest, ids: list[int]) -> list[int]:
 
 
 def check_prompt_length(ctx: ServerContext, ids: list[int], field: str) -> None:
-    """The engine's limit, checked here so that the 400 names the field (OpenAI's
-    ``context_length_exceeded``)."""
-    if len(ids) >= ctx.max_model_len:
-        raise APIError(f"the prompt has {len(ids)} tokens, but max_model_len is "
-                       f"{ctx.max_model_len}: it must leave room for at least one generated "
-                       "token", 400, field, code="context_length_exceeded")
+    """The engine's limit, checked before the engine sees the prompt so that the 400 names
+    the field (OpenAI's ``context_length_exceeded``)."""
+    try:
+        engine_check_prompt_length(len(ids), ctx.max_model_len)
+    except ValueError as exc:
+        raise APIError(str(exc), 400, field, code="context_length_exceeded") from None
 
 
 def prompt_logprobs_of(ctx: ServerContext, output: RequestOutput

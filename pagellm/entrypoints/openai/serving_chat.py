@@ -257,17 +257,22 @@ async def _strict_calls(ctx: ServerContext, req: ChatCompletionRequest,
     grammar = strict_call_grammar(req.tools, parser, req.parallel_tool_calls, reasoning)
     if grammar is None:
         return None
-    for i, tool in enumerate(req.tools):
-        fn = tool.function
-        if not fn.strict or not fn.parameters:
-            continue
-        field = f"tools.{i}.function.parameters"
-        try:
-            await compile_constraint(ctx, StructuredOutputsParams(json=fn.parameters), field)
-        except (APIError, ValueError) as exc:
-            raise APIError(f"function {fn.name!r} has strict: true, but its parameters schema "
-                           f"cannot be enforced: {exc}", 400, field) from exc
-    await compile_constraint(ctx, grammar, "tools")
+    try:
+        await compile_constraint(ctx, grammar, "tools")
+    except APIError:
+        # name the function at fault: compile the strict schemas one by one
+        for i, tool in enumerate(req.tools):
+            fn = tool.function
+            if not fn.strict or not fn.parameters:
+                continue
+            field = f"tools.{i}.function.parameters"
+            try:
+                await compile_constraint(ctx, StructuredOutputsParams(json=fn.parameters),
+                                         field)
+            except (APIError, ValueError) as exc:
+                raise APIError(f"function {fn.name!r} has strict: true, but its parameters "
+                               f"schema cannot be enforced: {exc}", 400, field) from exc
+        raise
     return grammar
 
 
