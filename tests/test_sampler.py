@@ -347,4 +347,42 @@ def test_greedy_argmax_is_torchs_argmax():
         x[3] = -math.inf  # every token banned
         x[4, 17] = float("nan")
         x[5, :] = 0.0
+        x[6, 5] = x[6, -2] = float("nan")  # the first NaN wins
         assert torch.equal(greedy_argmax(x), x.argmax(dim=-1)), vocab
+        # Column-major, as the CPU's float32 GEMM writes the vocabulary projection, and a
+        # slice of a padded one: the same picks.
+        columns = x.t().contiguous().t()
+        assert columns.stride() == (1, 9)
+        assert torch.equal(greedy_argmax(columns), x.argmax(dim=-1)), vocab
+        padded = torch.full((vocab + 7, 9), -math.inf)
+        padded[:vocab] = x.t()
+        assert torch.equal(greedy_argmax(padded.t()[:, :vocab]), x.argmax(dim=-1)), vocab
+
+
+def test_column_major_logits_sample_as_row_major_ones() -> None:
+    """Every kind of row gives the same tokens and logprobs from column-major logits (the
+    float32 GEMM's transposed output) as from the same values laid out by rows, and the
+    logits passed in stay untouched."""
+    rows, vocab = 12, 1000
+    logits = random_logits(rows, vocab, seed=4)
+    columns = logits.t().contiguous().t()
+    kinds = [dict(temperature=0.0), dict(temperature=0.0, logprobs=3),
+             dict(temperature=0.9, top_p=0.8, seed=1), dict(temperature=0.7, top_k=20, seed=2),
+             dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4),
+             dict(temperature=1.0, min_p=0.05, seed=3, logprobs=0)]
+    for kind in kinds:
+        for mixed in (False, True):  # all rows of the kind, or alternating with greedy rows
+            params = [SamplingParams(**kind) if not mixed or i % 2 else SamplingParams(
+                temperature=0.0) for i in range(rows)]
+            outputs = [[i, 2 * i, 9] for i in range(rows)]
+
+            def meta():
+                return make_meta(params, [[3, 4]] * rows, outputs,
+                                 [torch.Generator().manual_seed(7 + i) for i in range(rows)])
+
+            sampler, given = Sampler(vocab, EOS), columns.clone()
+            for _ in range(2):  # the second call reuses the sampler's copies
+                got, want = sampler(columns, meta()), Sampler(vocab, EOS)(logits, meta())
+                assert (got.token_ids, got.logprobs, got.ranks, got.top_logprobs) == \
+                    (want.token_ids, want.logprobs, want.ranks, want.top_logprobs), kind
+            assert torch.equal(columns, given) and columns.stride() == (1, rows)

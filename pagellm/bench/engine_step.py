@@ -5,7 +5,8 @@ At each batch size N the benchmark admits N requests with distinct random prompt
 sequences decode one token each. The engine's stages are timed by wrapping the methods the
 engine calls on its own objects (instance attributes, so nothing else is affected):
 
-- ``model_forward``: the model's forward pass and the vocabulary projection of the sampled rows;
+- ``model_forward``: the model's forward pass (by the model, the CPU decode plan or a captured
+  CUDA graph) and the vocabulary projection of the sampled rows;
 - ``prepare_inputs``: packing token ids, positions, slot mapping and block tables into tensors;
 - ``schedule``: the scheduler's step plan, including ``kv_allocate`` (the KV cache manager's
   slot allocation, reported separately as a part of it);
@@ -71,6 +72,11 @@ def install_timers(engine) -> StageTimers:
     model = engine.runner.model
     timers.wrap(model, "forward", "model_forward")
     timers.wrap(model, "compute_logits", "model_forward")
+    # Decode-only steps may bypass model.forward: the CPU decode plan calls the layers'
+    # kernels in a row, and on CUDA a captured graph is replayed. Both are the forward.
+    for fast_path in (engine.runner.cpu_decode, engine.runner.decode_graphs):
+        if fast_path is not None:
+            timers.wrap(fast_path, "run", "model_forward")
     timers.wrap(engine.runner, "prepare_inputs", "prepare_inputs")
     timers.wrap(engine.scheduler, "schedule", "schedule")
     timers.wrap(engine.kv, "allocate_slots", "kv_allocate")

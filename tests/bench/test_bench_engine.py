@@ -137,6 +137,41 @@ def test_engine_step_split(tiny_model):
     assert report["target"]["num_seqs"] == 4
 
 
+def test_engine_step_forward_counts_the_cpu_decode_plan(tiny_model):
+    """Decode-only steps on the CPU run the decode plan instead of model.forward: its time is
+    the forward's, not "other"'s."""
+    import time
+
+    from pagellm.bench.engine_step import (StepBenchConfig, _add_requests, _all_decoding,
+                                           build_step_engine, install_timers)
+
+    config = StepBenchConfig(model=str(tiny_model), dtype="float32", batch_sizes=(3,),
+                             prompt_len=20, decode_steps=3)
+    engine = build_step_engine(config)
+    plan = engine.runner.cpu_decode
+    assert plan is not None
+    inner, spent = plan.run, []
+
+    def run(*args, **kwargs):  # wrapped first, so the benchmark's timer is around this one
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - start)
+
+    plan.run = run
+    timers = install_timers(engine)
+    _add_requests(engine, 3, config, "t")
+    while not _all_decoding(engine, 3):
+        engine.step()
+    timers.reset()
+    spent.clear()
+    for _ in range(3):
+        engine.step()
+    assert len(spent) == 3
+    assert timers.seconds["model_forward"] >= sum(spent) > 0
+
+
 def test_cli_memory_and_throughput(tiny_model, tmp_path, monkeypatch):
     from pagellm.entrypoints.cli import main
 
