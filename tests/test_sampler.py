@@ -214,6 +214,50 @@ def test_sampling_frequencies_follow_the_truncated_distribution(params: Sampling
     assert (freq - expected).abs().max() < 0.03, (freq, expected)
 
 
+@pytest.mark.parametrize("vocab", [300, 1000, 1024])  # one level; two, with a short last block
+def test_inverse_cdf_draw_is_the_float64_one(vocab: int) -> None:
+    """Each row's token is the first whose cumulative weight (in float64) exceeds the row's
+    uniform number times its total, up to float32 rounding at a boundary; a token of weight 0
+    is never drawn, and a row with nothing to draw (all zero, NaN) gets -1 for the repair."""
+    from pagellm.worker.sampler import _inverse_cdf_sample
+
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 64
+    weights = torch.rand(rows, vocab, generator=gen) ** 8
+    weights[weights < 0.05] = 0.0  # most tokens banned
+    weights[1, :200] = 0.0  # whole blocks of zeros
+    weights[2, :-1], weights[2, -1] = 0.0, 0.5  # only the last token
+    weights[3, 5] = 1e6  # one token dominates
+    weights[4] = 0.0  # nothing to draw
+    weights[5, 7] = float("nan")
+    generators = [torch.Generator().manual_seed(i) for i in range(rows)]
+    uniform = [torch.rand(1, generator=torch.Generator().manual_seed(i)).item()
+               for i in range(rows)]
+    ids = _inverse_cdf_sample(weights.clone(), generators).tolist()
+    assert ids[4] == -1 and ids[5] == -1
+    assert ids[2] == vocab - 1 and ids[3] == 5
+    cdf = weights.double().cumsum(dim=-1)
+    for i in set(range(rows)) - {4, 5}:
+        target, total = uniform[i] * cdf[i, -1].item(), cdf[i, -1].item()
+        j = ids[i]
+        assert 0 <= j < vocab and weights[i, j] > 0, (i, j)
+        low = cdf[i, j - 1].item() if j else 0.0
+        assert low - 1e-5 * total <= target <= cdf[i, j].item() + 1e-5 * total, (i, j)
+
+
+def test_sampling_frequencies_over_a_wide_vocabulary() -> None:
+    """The two-level draw over 1000 tokens (blocks of 128 and a short last one) follows the
+    softmax, with mass in several blocks, at a block's edges and in the last block."""
+    row = torch.full((1000,), -math.inf)
+    picks = {0: 1.0, 127: 0.5, 128: 0.0, 500: 1.5, 895: -0.5, 896: 0.2, 999: 0.8}
+    for token, logit in picks.items():
+        row[token] = logit
+    expected = torch.softmax(row, -1)
+    freq = empirical(row, SamplingParams(temperature=1.0), draws=6000)
+    assert set(freq.nonzero().flatten().tolist()) <= set(picks)
+    assert (freq - expected).abs().max() < 0.03, (freq[list(picks)], expected[list(picks)])
+
+
 # ---- penalties ---------------------------------------------------------------------------------
 
 def test_penalties_match_reference_loop() -> None:
