@@ -1,0 +1,112 @@
+"""The sampler's time per call on one step's logits (prints JSON).
+
+    python benchmarks/sampler.py --threads 1                       # [256, 32000], 21 rounds
+    python benchmarks/sampler.py --rows 64 --vocab 49152 --baseline c966472
+
+Logits are seeded: standard normal times 2, plus 12 on 10 random tokens per row (a peaked
+distribution with a long tail). Each case samples every row with the same parameters, except
+"mixed", where odd rows are greedy and even rows use top_p 0.9. Reported per case: the median
+milliseconds per call over ``--iters`` rounds after two warm-up rounds. With ``--baseline REV``
+the sampler of git revision REV (pagellm/worker/sampler.py there) runs beside the working one,
+the two alternating call by call, and each case reports both medians.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from pagellm.bench.throughput import machine_info
+from pagellm.sampling_params import SamplingParams
+from pagellm.worker import sampler as current
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cases(rows: int) -> dict[str, list[SamplingParams]]:
+    return {
+        "greedy": [SamplingParams(temperature=0.0)] * rows,
+        "temperature 0.8": [SamplingParams(temperature=0.8)] * rows,
+        "top_p 0.95": [SamplingParams(temperature=0.8, top_p=0.95)] * rows,
+        "top_k 40": [SamplingParams(temperature=0.8, top_k=40)] * rows,
+        "mixed": [SamplingParams(temperature=0.0) if i % 2
+                  else SamplingParams(temperature=0.8, top_p=0.9) for i in range(rows)],
+    }
+
+
+def logits_for(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    peaks = torch.randint(0, vocab, (rows, 10), generator=g)
+    return logits.scatter_add_(1, peaks, torch.full((rows, 10), 12.0))
+
+
+def load_revision(rev: str, folder: Path) -> ModuleType:
+    """pagellm/worker/sampler.py as of git revision ``rev``, imported under its own name."""
+    shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:pagellm/worker/sampler.py"],
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--baseline {rev!r}: {shown.stderr.strip()}")
+    path = folder / "sampler_baseline.py"
+    path.write_text(shown.stdout)
+    spec = importlib.util.spec_from_file_location("pagellm.worker.sampler_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(modules: dict[str, ModuleType], rows: int, vocab: int,
+            iters: int) -> dict[str, dict[str, float]]:
+    logits = logits_for(rows, vocab)
+    report = {}
+    for name, params in cases(rows).items():
+        samplers = {k: (m.Sampler(vocab, 0), m.SamplingMetadata(
+            params, [[]] * rows, [[]] * rows, [None] * rows)) for k, m in modules.items()}
+        times: dict[str, list[float]] = {k: [] for k in modules}
+        order = list(modules)
+        for round_ in range(iters + 2):
+            for k in order if round_ % 2 else order[::-1]:
+                sampler, meta = samplers[k]
+                start = time.perf_counter()
+                sampler(logits, meta)
+                if round_ >= 2:
+                    times[k].append((time.perf_counter() - start) * 1e3)
+        report[name] = {k: round(statistics.median(t), 2) for k, t in times.items()}
+        print(name, report[name], file=sys.stderr, flush=True)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--iters", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--baseline", default=None, help="git revision to compare with")
+    args = parser.parse_args()
+    for flag in ("rows", "vocab", "iters", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as folder:
+        modules = {"current": current}
+        if args.baseline:
+            modules = {"baseline": load_revision(args.baseline, Path(folder)), **modules}
+        report = measure(modules, args.rows, args.vocab, args.iters)
+    print(json.dumps({"rows": args.rows, "vocab": args.vocab, "iters": args.iters,
+                      "threads": args.threads, "baseline": args.baseline, **machine_info(),
+                      "ms_per_call": report}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
