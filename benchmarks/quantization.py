@@ -489,6 +489,19 @@ def crossover(rounds: int) -> dict:
     return {"gemm_rows": default, "quantized_matmul": quant_matmul.describe(), "runs": runs}
 
 
+# the options that only some modes read (--threads applies to all)
+FLAG_MODES = {
+    "model": ("quality", "kv-memory"),
+    "group_size": ("quality", "weights"),
+    "prompts": ("quality",),
+    "new_tokens": ("quality", "weights"),
+    "iters": ("attention", "prefill-attention", "matmul", "crossover"),
+    "budget": ("kv-memory",), "requests": ("kv-memory",), "seeds": ("kv-memory",),
+    "kv_dtypes": ("attention",), "num_seqs": ("attention",), "context": ("attention",),
+    "processes": ("attention",),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("quality", "attention", "prefill-attention",
@@ -514,6 +527,10 @@ def main() -> None:
                              "per batch size and report the medians (default 0: all dtypes "
                              "interleaved in this process)")
     args = parser.parse_args()
+    for dest, modes in FLAG_MODES.items():
+        if args.mode not in modes and getattr(args, dest) != parser.get_default(dest):
+            parser.error(f"--{dest.replace('_', '-')} is not read by mode {args.mode!r}; "
+                         f"the modes that read it: {', '.join(modes)}")
     kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
     unknown = [d for d in kv_dtypes if d not in KV_DTYPES]
     if unknown or not kv_dtypes or len(set(kv_dtypes)) < len(kv_dtypes):

@@ -80,6 +80,20 @@ def test_attention_bad_arguments_are_usage_errors(args, named):
     assert done.returncode == 2 and named in done.stderr, done.stderr[-1000:]
 
 
+@pytest.mark.parametrize("args, named", [
+    (["weights", "--kv-dtypes", "int8"],
+     "--kv-dtypes is not read by mode 'weights'; the modes that read it: attention"),
+    (["attention", "--budget", "1000"],
+     "--budget is not read by mode 'attention'; the modes that read it: kv-memory"),
+    (["matmul", "--group-size", "128"],
+     "--group-size is not read by mode 'matmul'; the modes that read it: quality, weights"),
+])
+def test_an_option_another_mode_reads_is_a_usage_error(args, named):
+    done = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and named in done.stderr, done.stderr[-1000:]
+
+
 def test_prefill_attention_report(monkeypatch):
     bench = bench_module(monkeypatch)
     monkeypatch.setattr(bench, "PREFILL_SHAPES", ((0, 24), (40, 8)))
