@@ -30,6 +30,10 @@ GRAMMAR_CACHE_SIZE = 256
 # Longest grammar text accepted (a schema, a regex or a grammar). Compiling is linear in it.
 MAX_GRAMMAR_CHARS = 1 << 20
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# How a model's reasoning precedes its answer (the server's --reasoning-parser): "think", the
+# answer may open with <think>...</think> (Qwen3, QwQ); "deepseek_r1", the chat template
+# opened <think>, so the answer is reasoning up to the first </think> (DeepSeek-R1).
+REASONING_PARSERS = ("think", "deepseek_r1")
 
 
 @dataclass(slots=True)
@@ -38,6 +42,11 @@ class StructuredOutputsParams:
     ``,`` and ``:`` separators and no whitespace. It defaults to True here, unlike
     vLLM: a model free to add whitespace anywhere may add it forever (small and random models
     do), and OpenAI's own structured outputs are compact too; pass False for vLLM's behaviour.
+
+    ``reasoning`` (one of REASONING_PARSERS, or None) puts the constraint on the answer that
+    follows the model's reasoning in that parser's format, the reasoning itself being free
+    text; the chat server sets it from --reasoning-parser, as vLLM applies structured outputs
+    only once the reasoning has ended.
     """
 
     json: str | dict | None = None
@@ -46,6 +55,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = True
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -72,6 +82,9 @@ class StructuredOutputsParams:
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError(f"structured_outputs.disable_any_whitespace must be a bool, "
                              f"got {self.disable_any_whitespace!r}")
+        if self.reasoning is not None and self.reasoning not in REASONING_PARSERS:
+            raise ValueError(f"structured_outputs.reasoning must be one of "
+                             f"{', '.join(REASONING_PARSERS)} or None, got {self.reasoning!r}")
         _, text = self.source()
         if len(text) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"structured_outputs.{self.kind} has {len(text)} characters, more "
@@ -95,15 +108,49 @@ class StructuredOutputsParams:
             text = getattr(self, kind)
         return kind, text
 
-    def cache_key(self) -> tuple[str, str, bool]:
-        return (*self.source(), self.disable_any_whitespace)
+    def cache_key(self) -> tuple[str, str, bool, str | None]:
+        return (*self.source(), self.disable_any_whitespace, self.reasoning)
+
+
+def reasoning_rules(parser: str | None, unfinished: bool = False) -> list[str]:
+    """Lark rules of ``start``: the reasoning that ``parser`` writes (free text, which nothing
+    but ``</think>`` ends), then the rule ``answer``; ``answer`` alone without a parser.
+    Whitespace may separate the two, as models write it after ``</think>``. With
+    ``unfinished``, the text may also end within the reasoning."""
+    if parser is None:
+        return ["start: answer"]
+    if parser == "think":  # optional, leading
+        start, opener = "answer | think THINK_SPACE? answer", r"[ \t\r\n]*<think>"
+    elif parser == "deepseek_r1":  # the template opened <think>
+        start, opener = "think THINK_SPACE? answer", ""
+    else:
+        raise ValueError(f"reasoning parser {parser!r} is unknown; choices: "
+                         f"{', '.join(REASONING_PARSERS)}")
+    rules = [f"start: {start}" + (" | REASONING" if unfinished else ""),
+             rf"think[lazy]: /{opener}(.|\n)*<\/think>/", r"THINK_SPACE: /[ \t\r\n]+/"]
+    if unfinished:
+        rules.append(rf"REASONING: /{opener}(.|\n)*/ & ~/(.|\n)*<\/think>(.|\n)*/")
+    return rules
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of ``params`` (not yet checked against a tokenizer)."""
+    kind, text = params.source()
+    inner = _constraint_grammar(kind, text, params.disable_any_whitespace)
+    if params.reasoning is None:
+        return inner
+    try:  # a TopLevelGrammar (json, regex), or a Lark text (choice, grammar)
+        grammars = jsonlib.loads(inner)["grammars"]
+    except (ValueError, TypeError, KeyError):
+        grammars = [{"lark_grammar": inner}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    start = "\n".join(reasoning_rules(params.reasoning) + ["answer: @answer"]) + "\n"
+    return jsonlib.dumps({"grammars": [{"name": "start", "lark_grammar": start}, *grammars]})
+
+
+def _constraint_grammar(kind: str, text: str, disable_any_whitespace: bool) -> str:
     import llguidance
 
-    kind, text = params.source()
     if kind in ("json", "json_object"):
         try:
             schema = jsonlib.loads(text)
@@ -112,7 +159,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         if not isinstance(schema, dict):
             raise ValueError(f"structured_outputs.json must be a JSON object (a schema), got "
                              f"{type(schema).__name__}")
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        options = {"whitespace_flexible": not disable_any_whitespace}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)

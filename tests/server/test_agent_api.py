@@ -55,6 +55,9 @@ def agent_server(tiny_model, tmp_path_factory):
     proc = ServerProcess(tiny_model, folder / "serve.log", "--chat-template",
                          str(folder / "template.jinja"), "--enable-auto-tool-choice",
                          "--tool-call-parser", "hermes", "--reasoning-parser", "think",
+                         # constraints from the first token, as a random model needs them
+                         # (else it may open <think> and reason until max_tokens)
+                         "--structured-outputs-in-reasoning",
                          "--trust-request-chat-template", "--allowed-origins", ORIGIN,
                          "--vllm-metric-names", "--max-model-len", "1024", env=env)
     proc.wait_ready()
@@ -385,6 +388,17 @@ def test_reasoning_parser_splits_think(ac):
     deltas = [ch.delta for c in chunks for ch in c.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "abc def"
     assert "".join(d.content or "" for d in deltas) == "Paris"
+
+
+def test_constraints_cover_the_reasoning_with_the_flag(ac, hf_tokenizer):
+    """tests/server/test_reasoning_constraints.py's request: without the flag the model opens
+    <think>; with it, the choice holds from the first token."""
+    from test_reasoning_constraints import CHOICE, steered_to_reasoning
+
+    message = chat(ac, max_tokens=12, temperature=0.0, extra_body=CHOICE,
+                   logit_bias=steered_to_reasoning(hf_tokenizer)).choices[0].message
+    assert message.content in ("yes", "no")
+    assert message.model_extra.get("reasoning_content") is None
 
 
 # ---------------------------------------------------------------------- usage and routes

@@ -62,6 +62,22 @@ def test_bad_engine_flag_value_names_the_field():
     assert result.returncode == 2 and "dtype" in result.stderr
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--structured-outputs-in-reasoning"],
+     "--structured-outputs-in-reasoning needs --reasoning-parser"),
+])
+def test_chat_flags_that_need_another(flags, message):
+    from pagellm.entrypoints.commands.serve import _chat_options
+
+    with pytest.raises(ValueError, match=message):
+        _chat_options(build_parser().parse_args(["serve", "m", *flags]))
+    options = _chat_options(build_parser().parse_args(
+        ["serve", "m", "--reasoning-parser", "deepseek_r1", "--structured-outputs-in-reasoning"]))
+    assert (options["reasoning_parser"], options["structured_outputs_in_reasoning"]) == (
+        "deepseek_r1", True)
+
+
 @pytest.mark.parametrize("command", ["serve", "generate", "chat"])
 def test_help_lists_engine_flags(command):
     with pytest.raises(SystemExit) as exit_info:

@@ -94,7 +94,8 @@ def parse_lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def _add_chat_flags(p) -> None:
-    from pagellm.entrypoints.openai.tool_calls import REASONING_PARSERS, TOOL_CALL_PARSERS
+    from pagellm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+    from pagellm.structured_outputs import REASONING_PARSERS
 
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file used instead of the model's")
@@ -109,7 +110,13 @@ def _add_chat_flags(p) -> None:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="move an answer's reasoning into message.reasoning_content: "
                         "'think': a leading <think>...</think>; 'deepseek_r1': everything "
-                        "up to </think> (the template opened <think>)")
+                        "up to </think> (the template opened <think>). Structured outputs "
+                        "and forced tool calls then constrain only the answer after the "
+                        "reasoning")
+    p.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                   help="with --reasoning-parser: constrain structured outputs and forced tool "
+                        "calls from the first token, the reasoning included (vLLM's "
+                        "structured_outputs_config.enable_in_reasoning)")
     p.add_argument("--allowed-origins", nargs="+", default=None,
                    help="origins allowed by CORS (e.g. http://localhost:3000, or *); "
                         "default: no CORS headers")
@@ -124,6 +131,8 @@ def _add_chat_flags(p) -> None:
 def _chat_options(args: argparse.Namespace) -> dict:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.structured_outputs_in_reasoning and args.reasoning_parser is None:
+        raise ValueError("--structured-outputs-in-reasoning needs --reasoning-parser")
     template = None
     if args.chat_template is not None:
         try:
@@ -136,6 +145,7 @@ def _chat_options(args: argparse.Namespace) -> dict:
                 trust_request_chat_template=args.trust_request_chat_template,
                 enable_auto_tool_choice=args.enable_auto_tool_choice,
                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                structured_outputs_in_reasoning=args.structured_outputs_in_reasoning,
                 allowed_origins=tuple(args.allowed_origins or ()))
 
 

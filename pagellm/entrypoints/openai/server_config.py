@@ -38,11 +38,13 @@ class ServerConfig:
     prefix_cache_isolation: str = "shared"
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter folder), --lora-modules
     # chat (see serving_chat): a template replacing the model's (its text), whether a request
-    # may send its own, tool call parsing for tool_choice="auto", the <think> splitter
+    # may send its own, tool call parsing for tool_choice="auto", the <think> splitter, and
+    # whether structured outputs constrain the reasoning too (else only the answer after it)
     chat_template: str | None = None
     trust_request_chat_template: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    structured_outputs_in_reasoning: bool = False
     allowed_origins: tuple[str, ...] = ()
     vllm_metric_names: bool = False

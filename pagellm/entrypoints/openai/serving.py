@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -93,13 +93,16 @@ class ServerContext:
         return f"{tenant}\x00{req.cache_salt or ''}"
 
 
-async def request_constraint(ctx: ServerContext, req: SamplingRequest
-                             ) -> StructuredOutputsParams | None:
+async def request_constraint(ctx: ServerContext, req: SamplingRequest,
+                             reasoning: str | None = None) -> StructuredOutputsParams | None:
     """The request's structured-outputs constraint, compiled (and cached) on the tokenizer
     thread, so that a bad schema is a 400 naming the field it came from and a slow grammar
-    does not stall the event loop."""
+    does not stall the event loop. With a ``reasoning`` parser it constrains the answer
+    after the reasoning (StructuredOutputsParams.reasoning)."""
     field, params = structured_outputs_of(req)
     if params is not None:
+        if reasoning is not None:
+            params = replace(params, reasoning=reasoning)
         await compile_constraint(ctx, params, field)
     return params
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -210,16 +210,19 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    structured = await request_constraint(ctx, req)
+    # with a reasoning parser, the answer after the reasoning is constrained (as in vLLM)
+    after = _constrained_after(ctx)
+    structured = await request_constraint(ctx, req, after)
     if tools.forced:
         if structured is not None:
             raise APIError("a forced tool call cannot be combined with response_format, "
                            "structured_outputs or guided_*", 400, "tool_choice")
         named = tools.mode[6:] if tools.mode.startswith("named:") else None
-        structured = forced_call_grammar(req.tools, named, req.parallel_tool_calls)
+        structured = replace(forced_call_grammar(req.tools, named, req.parallel_tool_calls),
+                             reasoning=after)
         await compile_constraint(ctx, structured, "tools")
     elif tools.mode is not None:  # auto: constrained only when a function asks for strict
-        strict = await _strict_calls(ctx, req, tools.mode)
+        strict = await _strict_calls(ctx, req, tools.mode, after)
         if strict is not None:
             if structured is not None:
                 raise APIError("tools with strict: true cannot be combined with "
@@ -249,11 +252,19 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     return JSONResponse(response.model_dump(mode="json"))
 
 
-async def _strict_calls(ctx: ServerContext, req: ChatCompletionRequest,
-                        parser: str) -> StructuredOutputsParams | None:
+def _constrained_after(ctx: ServerContext) -> str | None:
+    """The reasoning parser whose reasoning precedes the constrained answer, or None when
+    constraints apply from the first token (no parser, or --structured-outputs-in-reasoning)."""
+    chat = ctx.chat
+    if chat is None or chat.structured_outputs_in_reasoning:
+        return None
+    return chat.reasoning_parser
+
+
+async def _strict_calls(ctx: ServerContext, req: ChatCompletionRequest, parser: str,
+                        reasoning: str | None) -> StructuredOutputsParams | None:
     """The compiled grammar of strict tool calls in auto mode (None when no function is
     strict). A strict function whose schema cannot be enforced is a 400 naming it."""
-    reasoning = ctx.chat.reasoning_parser if ctx.chat is not None else None
     grammar = strict_call_grammar(req.tools, parser, req.parallel_tool_calls, reasoning)
     if grammar is None:
         return None

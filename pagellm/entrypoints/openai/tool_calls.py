@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from pagellm.entrypoints.openai.protocol import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                                  Tool, ToolCall)
-from pagellm.structured_outputs import StructuredOutputsParams
+from pagellm.structured_outputs import StructuredOutputsParams, reasoning_rules
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 # `{"name": "...", "arguments": ` (or "parameters", llama3's key): where a call's arguments start
@@ -96,16 +96,7 @@ def strict_call_grammar(tools: list[Tool], parser: str, parallel: bool,
         rules += ['answer: FIRST | WS? call_json (";" WS? call_json)*' if parallel
                   else "answer: FIRST | WS? call_json", r"WS: /[ \t\r\n]+/"]
     # the reasoning runs to the first </think>, or to the end (split_reasoning's rule)
-    unfinished = r"REASONING: /{}(.|\n)*/ & ~/(.|\n)*<\/think>(.|\n)*/"
-    if reasoning == "think":  # optional, leading
-        rules += ["start: think? answer | REASONING",
-                  r"think[lazy]: /[ \t\r\n]*<think>(.|\n)*<\/think>/",
-                  unfinished.format(r"[ \t\r\n]*<think>")]
-    elif reasoning == "deepseek_r1":  # the template opened <think>
-        rules += ["start: think answer | REASONING", r"think[lazy]: /(.|\n)*<\/think>/",
-                  unfinished.format("")]
-    else:
-        rules.append("start: answer")
+    rules += reasoning_rules(reasoning, unfinished=True)
     return StructuredOutputsParams(grammar="\n".join(["%llguidance {}", *rules]) + "\n")
 
 
@@ -256,9 +247,9 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-# "think": the answer starts with <think> (Qwen3, QwQ); "deepseek_r1": the chat template
-# already opened <think>, so the answer is reasoning until </think> (DeepSeek-R1)
-REASONING_PARSERS = ("think", "deepseek_r1")
+# REASONING_PARSERS (pagellm.structured_outputs): "think", the answer starts with <think>
+# (Qwen3, QwQ); "deepseek_r1", the chat template already opened <think>, so the answer is
+# reasoning until </think> (DeepSeek-R1)
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 
