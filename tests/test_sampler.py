@@ -9,13 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.sampler import (
-    Sampler,
-    SamplingMetadata,
-    _apply_penalties,
-    apply_top_k_top_p,
-    compute_logprobs,
-)
+from pagellm.worker.random_sampling import apply_top_k_top_p
+from pagellm.worker.sampler import Sampler, SamplingMetadata, _apply_penalties, compute_logprobs
 
 VOCAB = 50
 EOS = 7
@@ -222,7 +217,7 @@ def test_inverse_cdf_draw_is_the_float64_one(vocab: int) -> None:
     """Each row's token is the first whose cumulative weight (in float64) exceeds the row's
     uniform number times its total, up to float32 rounding at a boundary; a token of weight 0
     is never drawn, and a row with nothing to draw (all zero, NaN) gets -1 for the repair."""
-    from pagellm.worker.sampler import _inverse_cdf_sample
+    from pagellm.worker.random_sampling import _inverse_cdf_sample
 
     gen = torch.Generator().manual_seed(vocab)
     rows = 64

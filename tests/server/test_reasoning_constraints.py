@@ -10,12 +10,12 @@ from dataclasses import replace
 import openai
 import pytest
 from server_utils import MODEL_NAME, ServerProcess
+from test_strict_tool_calls import accepts, compiler  # noqa: F401 (compiler: a fixture)
 
-from pagellm.bench.random_model import build_tokenizer
 from pagellm.entrypoints.openai.protocol import Tool
 from pagellm.entrypoints.openai.tool_calls import (extract_calls, forced_call_grammar,
                                                    split_reasoning)
-from pagellm.structured_outputs import GrammarCompiler, StructuredOutputsParams
+from pagellm.structured_outputs import StructuredOutputsParams
 
 pytest.importorskip("llguidance")
 
@@ -24,19 +24,6 @@ N_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "require
 TIME = {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"],
     "additionalProperties": False}}
-
-
-@pytest.fixture(scope="module")
-def compiler():
-    tokenizer = build_tokenizer(512)
-    return GrammarCompiler(tokenizer, len(tokenizer), tokenizer.eos_token_id)
-
-
-def accepts(compiler, params, text: str) -> bool:
-    """Whether the grammar lets the model write ``text`` and then stop."""
-    matcher = compiler.new_matcher(params)
-    ids = compiler.tokenizer.encode(text, add_special_tokens=False)
-    return matcher.consume_tokens(ids) and matcher.is_accepting()
 
 
 CONSTRAINTS = {
