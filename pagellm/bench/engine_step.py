@@ -41,6 +41,10 @@ class StepBenchConfig:
     decode_steps: int = 16
     block_size: int = 16
     seed: int = 0
+    # every request's sampling: greedy by default; temperature > 0 samples at random (with
+    # top_p), each request seeded
+    temperature: float = 0.0
+    top_p: float = 1.0
 
 
 class StageTimers:
@@ -110,9 +114,11 @@ def _add_requests(engine, num_seqs: int, config: StepBenchConfig, tag: str) -> N
     # Sequences admitted first decode while later ones prefill (chunked prefill), so they
     # need room for those steps too: none may finish during the timed steps. DELTA outputs,
     # as the server streams them (a CUMULATIVE output copies every token list each step).
-    params = SamplingParams(temperature=0.0, max_tokens=config.decode_steps + PREFILL_SLACK,
-                            ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     for i in range(num_seqs):
+        params = SamplingParams(temperature=config.temperature, top_p=config.top_p,
+                                seed=i if config.temperature > 0 else None,
+                                max_tokens=config.decode_steps + PREFILL_SLACK,
+                                ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         prompt = [rng.randrange(3, vocab) for _ in range(config.prompt_len)]
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
 

@@ -137,6 +137,24 @@ def test_engine_step_split(tiny_model):
     assert report["target"]["num_seqs"] == 4
 
 
+def test_engine_step_samples_at_random_when_asked(tiny_model):
+    """--temperature/--top-p: every request samples (seeded), the report says how."""
+    from pagellm.bench.engine_step import StepBenchConfig, benchmark_engine_step
+
+    report = benchmark_engine_step(StepBenchConfig(model=str(tiny_model), dtype="float32",
+                                                   batch_sizes=(3,), prompt_len=12,
+                                                   decode_steps=2, temperature=1.0, top_p=0.9))
+    assert report["config"]["temperature"] == 1.0 and report["config"]["top_p"] == 0.9
+    assert report["results"][0]["stages_ms"]["sample"] > 0
+
+
+def test_bench_engine_top_p_needs_a_temperature(capsys):
+    from pagellm.entrypoints.cli import main
+
+    assert main(["bench", "engine", "--top-p", "0.9"]) == 2
+    assert "--top-p 0.9 needs --temperature above 0" in capsys.readouterr().err
+
+
 def test_engine_step_forward_counts_the_cpu_decode_plan(tiny_model):
     """Decode-only steps on the CPU run the decode plan instead of model.forward: its time is
     the forward's, not "other"'s."""

@@ -277,16 +277,24 @@ def _add_engine(modes) -> None:
                    help="decode steps timed at each batch size (default 16)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (default 0: greedy; above 0 each request "
+                        "is seeded)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="every request's top_p (default 1: off); needs --temperature above 0")
     p.set_defaults(func=run_engine_split)
 
 
 def run_engine_split(args: argparse.Namespace) -> int:
     from pagellm.bench.engine_step import StepBenchConfig, benchmark_engine_step
 
+    if args.top_p != 1.0 and args.temperature == 0.0:
+        raise ValueError(f"--top-p {args.top_p} needs --temperature above 0 (greedy ignores it)")
     model = _prepare(args)
     config = StepBenchConfig(model=model, dtype=args.dtype, batch_sizes=args.batch_sizes,
                              prompt_len=args.prompt_len, decode_steps=args.decode_steps,
-                             block_size=args.block_size, seed=args.seed)
+                             block_size=args.block_size, seed=args.seed,
+                             temperature=args.temperature, top_p=args.top_p)
     report = benchmark_engine_step(config)
     report["model_name"] = args.model
     _emit(report, args.output_json)
