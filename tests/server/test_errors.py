@@ -78,7 +78,7 @@ CASES = [
      None),
     ("image-content-part", "POST", CHAT,
      chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]),
-     400, None),
+     400, "messages.0.content"),
     ("top-logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=2), 400,
      "top_logprobs"),
     ("chat-max-completion-tokens-negative", "POST", CHAT, chat(max_completion_tokens=-1), 400,
@@ -110,6 +110,30 @@ def test_bad_request_gets_openai_error(server, case):
         kwargs = {}
     response = httpx.request(method, server.url + path, headers=JSON, timeout=30, **kwargs)
     assert_error_body(response, status, param)
+
+
+def test_a_content_part_not_text_is_named(server):
+    parts = [{"type": "text", "text": "what is this?"},
+             {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]
+    response = httpx.post(server.url + CHAT, headers=JSON, timeout=30,
+                          json=chat(messages=[{"role": "user", "content": parts}]))
+    assert_error_body(response, 400, "messages.0.content")
+    assert response.json()["error"]["message"] == (
+        "invalid value for 'messages.0.content': content part 1 is of type 'input_audio': "
+        "the served model takes text only (parts of type 'text')")
+
+
+def test_text_parts_are_the_string_they_join_to(server):
+    def ask(content):
+        body = chat(messages=[{"role": "user", "content": content}], temperature=0)
+        response = httpx.post(server.url + CHAT, headers=JSON, timeout=60, json=body)
+        assert response.status_code == 200, response.text
+        out = response.json()
+        return out["usage"]["prompt_tokens"], out["choices"][0]["message"]["content"]
+
+    parts = [{"type": "text", "text": "What is the capital"},
+             {"type": "text", "text": " of France?"}]
+    assert ask(parts) == ask("What is the capital of France?")
 
 
 def test_server_still_serves_and_leaks_no_block_after_bad_requests(server, client):

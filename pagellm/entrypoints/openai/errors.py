@@ -87,7 +87,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "extra_forbidden":
         return (f"unknown field '{field}': this server does not implement it (see "
                 "docs/OPENAI_API.md for the fields it accepts)", field)
-    return f"invalid value for '{field}': {first['msg']}", field
+    # a validator's ValueError comes prefixed "Value error, "
+    message = first["msg"].removeprefix("Value error, ")
+    return f"invalid value for '{field}': {message}", field
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -16,7 +16,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      model_serializer)
+                      field_validator, model_serializer)
 
 Number = StrictFloat | StrictInt
 # What torch.Generator.manual_seed accepts: a larger seed would fail inside the engine.
@@ -148,6 +148,19 @@ class ChatMessage(Strict):
     annotations: list[Any] | None = None
     audio: None = None
     function_call: None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A part of another type (image_url, input_audio, file) is named, rather than failing
+        the union's first member as "not a valid string"."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(f"content part {i} is of type {kind!r}: the served model "
+                                     "takes text only (parts of type 'text')")
+        return content
 
     def text(self) -> str:
         if self.content is None:
