@@ -8,6 +8,7 @@ from typing import Any
 
 from pagellm.config import EngineArgs
 from pagellm.core.engine import LLMEngine, PromptType
+from pagellm.entrypoints.chat_content import flatten_content
 from pagellm.lora.request import LoRARequest
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -123,6 +124,9 @@ def _apply_template(tokenizer, conversation: ChatMessages, add_generation_prompt
                     chat_template: str | None, **options) -> list[int]:
     if not conversation:
         raise ValueError("messages is empty: a chat needs at least one message")
+    conversation = [{**m, "content": flatten_content(m["content"], f"messages[{i}].content")}
+                    if isinstance(m, dict) and isinstance(m.get("content"), list) else m
+                    for i, m in enumerate(conversation)]
     if getattr(tokenizer, "chat_template", None) is None and chat_template is None:
         raise ValueError("the tokenizer has no chat template: pass chat_template=...")
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,

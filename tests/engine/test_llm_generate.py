@@ -87,6 +87,30 @@ def test_generate_accepts_strings_and_per_prompt_params(llama_dir):
     assert len(chat[0].outputs[0].token_ids) == 4
 
 
+def test_chat_joins_text_parts_and_names_other_parts(llama_dir):
+    """Content parts as OpenAI sends them: text parts joined by newlines (as vLLM joins them
+    for a string-content template); any other part is a ValueError naming it (the template
+    would fail on the list, or render it as Python)."""
+    llm = LLM(str(llama_dir), num_gpu_blocks_override=64, max_model_len=256)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    parts = [{"role": "system", "content": "be brief"},
+             {"role": "user", "content": [{"type": "text", "text": "hello"},
+                                          {"type": "text", "text": "there"}]}]
+    joined = [parts[0], {"role": "user", "content": "hello\nthere"}]
+    a, b = (llm.chat(m, params, use_tqdm=False)[0] for m in (parts, joined))
+    assert a.prompt_token_ids == b.prompt_token_ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[1\] is type 'image_url': "
+                                         "the model takes text only"):
+        llm.chat([parts[0], {"role": "user", "content": [parts[1]["content"][0], image]}],
+                 params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.text must be a string"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": 5}]}], params,
+                 use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_bad_arguments_raise_clear_errors(llama_dir):
     with pytest.raises(ValueError, match="block_size"):
         LLM(str(llama_dir), block_size=0)

@@ -119,11 +119,12 @@ def test_a_content_part_not_text_is_named(server):
                           json=chat(messages=[{"role": "user", "content": parts}]))
     assert_error_body(response, 400, "messages.0.content")
     assert response.json()["error"]["message"] == (
-        "invalid value for 'messages.0.content': content part 1 is of type 'input_audio': "
-        "the served model takes text only (parts of type 'text')")
+        "invalid value for 'messages.0.content': content[1] is type 'input_audio': the model "
+        "takes text only, parts of the form {'type': 'text', 'text': ...}")
 
 
-def test_text_parts_are_the_string_they_join_to(server):
+def test_text_parts_are_joined_by_newlines(server):
+    """As vLLM joins them for a template that reads content as a string."""
     def ask(content):
         body = chat(messages=[{"role": "user", "content": content}], temperature=0)
         response = httpx.post(server.url + CHAT, headers=JSON, timeout=60, json=body)
@@ -132,8 +133,8 @@ def test_text_parts_are_the_string_they_join_to(server):
         return out["usage"]["prompt_tokens"], out["choices"][0]["message"]["content"]
 
     parts = [{"type": "text", "text": "What is the capital"},
-             {"type": "text", "text": " of France?"}]
-    assert ask(parts) == ask("What is the capital of France?")
+             {"type": "text", "text": "of France?"}]
+    assert ask(parts) == ask("What is the capital\nof France?")
 
 
 def test_server_still_serves_and_leaks_no_block_after_bad_requests(server, client):

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       field_validator, model_serializer)
 
+from pagellm.entrypoints.chat_content import flatten_content
+
 Number = StrictFloat | StrictInt
 # What torch.Generator.manual_seed accepts: a larger seed would fail inside the engine.
 Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
@@ -117,11 +119,6 @@ class CompletionRequest(SamplingRequest):
     best_of: StrictInt | None = None
 
 
-class TextContentPart(Strict):
-    type: Literal["text"]
-    text: StrictStr
-
-
 class FunctionCall(Strict):
     name: StrictStr
     arguments: StrictStr
@@ -139,7 +136,7 @@ class ChatMessage(Strict):
     (``refusal``, ``annotations``, ``audio``, ``function_call``) are accepted when null."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextContentPart] | None = None
+    content: StrictStr | None = None  # or a list of text parts, joined
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: StrictStr | None = None
@@ -151,23 +148,13 @@ class ChatMessage(Strict):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        """A part of another type (image_url, input_audio, file) is named, rather than failing
-        the union's first member as "not a valid string"."""
-        if isinstance(content, list):
-            for i, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind is not None and kind != "text":
-                    raise ValueError(f"content part {i} is of type {kind!r}: the served model "
-                                     "takes text only (parts of type 'text')")
-        return content
+    def _flatten_parts(cls, content: Any) -> Any:
+        """Text parts become one string, as the template reads them (chat_content); a part of
+        another type is a 400 naming it."""
+        return flatten_content(content, "content")
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return self.content or ""
 
 
 class FunctionDefinition(Strict):
