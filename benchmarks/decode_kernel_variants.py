@@ -16,8 +16,9 @@ bit for bit (reported, not asserted: a variant may reorder sums on purpose).
 
 Workload (seed 0): the "small" Llama's decode attention (12 query heads over 4 KV heads,
 head_dim 64, blocks of 16 tokens unless --block-size says otherwise, bfloat16 queries,
-shuffled physical blocks): 16 x 512 over one layer's cache (K/V resident in L3: what the
-loops cost), and 64 x 512 and 128 x 512 over 12 layers' caches of their own (read from
+shuffled physical blocks): 4 x 256 over one layer's cache (1 MB of bfloat16 K/V, resident in
+a 2 MB L2: what the loops cost), 16 x 512 over one layer's cache (resident in L3), and 64 x 512
+and 128 x 512 over 12 layers' caches of their own (read from
 memory, as a model step reads them).
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pagellm.attention import cpu_kernel, kv_quant
 from pagellm.bench.throughput import machine_info
 from quantization import BLOCK, HEAD_DIM, HEADS, KV_HEADS, decode_workload
 
-SHAPES = {"16x512-l3": (16, 512, 1, 40), "64x512": (64, 512, 12, 2),
+SHAPES = {"4x256-l2": (4, 256, 1, 320), "16x512-l3": (16, 512, 1, 40), "64x512": (64, 512, 12, 2),
           "128x512": (128, 512, 12, 1)}  # name: (sequences, context, layers, calls per round)
 KERNEL_SOURCE = "pagellm/attention/paged_decode.c"
 
