@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks/sampler.py"
 CASES = ["greedy", "temperature 0.8", "top_p 0.95", "temperature 1, top_p 0.95", "min_p 0.05",
-         "top_k 40", "mixed"]
+         "top_k 40", "mixed", "greedy, logprobs 0", "temperature 0.8, logprobs 0",
+         "temperature 0.8, logprobs 5"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
