@@ -71,22 +71,27 @@ def test_int4_matmul_matches_float64_reference(build, x_dtype, param_dtype, grou
 
 
 @pytest.mark.parametrize("x_dtype, param_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("group_size", [32, 64, 128])
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("group_size, in_features", [
+    (32, 256), (64, 256), (128, 256), (32, 352), (64, 320), (32, 96)])
 def test_int4_times_int8_activations_matches_float64_reference(build, x_dtype, param_dtype,
-                                                               group_size):
+                                                               group_size, in_features):
     """int8_activations: the float64 product of the activations rounded by
     quantize_activations with the dequantized weight. A code off by one would be off by
     about 1/127 of a block's largest activation, far beyond the float32 tolerance. Rows with
-    a block of zeros and with a block of one large value among small ones."""
-    weight, x = inputs(40, 256, x_dtype, max(ROWS), seed=4)
+    a block of zeros and with a block of one large value among small ones. The widths give
+    the VNNI loop's eight blocks at a time, then a pair, then one (352 = 11 blocks of 32),
+    and fewer than eight blocks (96)."""
+    weight, x = inputs(40, in_features, x_dtype, max(ROWS), seed=4)
     x[1, 32:64] = 0
     x[2, 64:96] = x[2, 64:96] * 1e-3
     x[2, 70] = 50
     q, scale, zero = int4_quantize(weight, group_size, param_dtype)
     params = torch.stack([scale, zero], -1).to(param_dtype).contiguous()
     p = params.double()
-    deq = ((q.double().view(40, -1, group_size) - 8) * p[..., :1] + p[..., 1:]).view(40, 256)
+    deq = ((q.double().view(40, -1, group_size) - 8) * p[..., :1] + p[..., 1:]).view(
+        40, in_features)
     packed = quant_matmul.pack_int4(q)
     for rows in ROWS:
         out = quant_matmul.int4_matmul(x[:rows], packed, params, group_size,

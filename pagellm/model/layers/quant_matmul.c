@@ -55,6 +55,9 @@
 #define QMM_AVX2 0
 #endif
 
+#if QMM_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QMM_VNNI 1 /* int8 activations: int4_a8_column_vnni */
+#endif
 #define TILE_ROWS 4
 #define WIDE_ROWS 8 /* AVX2 builds: batches of 8 rows and more */
 
@@ -177,6 +180,14 @@ static act8 quantize_activations(const qmm_args *a) {
                                      q + m * K + b * 32, d + m * blocks + b);
       pairs[(m * groups + b * 32 / a->group_size) * 2 + 1] += d[m * blocks + b] * (float)sum;
     }
+#ifdef QMM_VNNI
+    for (int64_t b = 0; b + 1 < blocks; b += 2) { /* each pair of blocks in the codes' order */
+      int8_t *pair = q + m * K + b * 32, middle[16];
+      memcpy(middle, pair + 16, 16);
+      memcpy(pair + 16, pair + 32, 16);
+      memcpy(pair + 32, middle, 16);
+    }
+#endif
     for (int64_t g = 0; g < groups; g++)
       pairs[(m * groups + g) * 2] = -8.0f * pairs[(m * groups + g) * 2 + 1];
   }
@@ -576,6 +587,96 @@ INLINE void int4_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T,
   for (int r = 0; r < T; r++) store(a, m0 + r, n, sum_rows(r) + zsum[r]);
 }
 
+#ifdef QMM_VNNI
+/* AVX512-VNNI builds: the sums of int4_a8_column eight blocks of 32 at a time. Two blocks'
+ * 32 code bytes widen to one 512-bit register (128-bit lanes: block b columns 0-15, b + 1
+ * columns 0-15, b columns 16-31, b + 1 columns 16-31), against the activations stored in the
+ * same order (quantize_activations), and one vpdpbusd makes 16 exact int32 sums of 4
+ * products (unsigned codes times signed bytes, at most 4 * 15 * 127). Adding the 256-bit
+ * halves and two rounds of vphaddd leaves each of the eight blocks' integer sum in one lane
+ * (blocks 0, 2, 4, 6, 1, 3, 5, 7), so that the float32 work, the conversion and the
+ * products with the blocks' activation scales and their groups' weight scales, is done once
+ * for eight blocks instead of once per block. The last blocks (fewer than eight) go a pair
+ * and then one at a time. The zero terms as in int4_a8_column. */
+INLINE __m512i codes_pair_u8(const uint8_t *p) {
+  const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+  return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(raw),
+                                             _mm256_srli_epi16(raw, 4), 1),
+                          _mm512_set1_epi8(0x0f));
+}
+INLINE __m256i pair_sums(__m512i w, const int8_t *x) { /* lanes 0-3: block b, 4-7: b + 1 */
+  const __m512i z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                        _mm512_loadu_si512((const void *)x));
+  return _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1));
+}
+/* The scales of the 8 (scale, zero) pairs from params[i] on, in the order 0, 2, 4, 6, 1, 3,
+ * 5, 7 (the block sums' lanes). */
+INLINE __m256 scales8(const void *p, int64_t i, int dtype) {
+  const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 pairs;
+  if (dtype == PARAMS_F32) {
+    pairs = _mm512_loadu_ps((const float *)p + i);
+  } else {
+    const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    pairs = dtype == PARAMS_F16 ? _mm512_cvtph_ps(half)
+            : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+  return _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, pairs));
+}
+INLINE void int4_a8_column_vnni(const qmm_args *a, const act8 *x, int64_t m0, int T,
+                                int64_t n) {
+  const int64_t K = a->in_features, blocks = K / 32, bpg = a->group_size / 32;
+  const int64_t groups = K / a->group_size;
+  const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
+  const int8_t *xq = x->q + m0 * K;
+  const float *xd = x->d + m0 * blocks;
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+#define WSCALE(b) param(a->params, (n * groups + (b) / bpg) * 2, a->params_dtype)
+  __m256 acc[TILE_ROWS];
+  for (int r = 0; r < T; r++) acc[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    __m512i w[4];
+    for (int j = 0; j < 4; j++) w[j] = codes_pair_u8(q + (b + 2 * j) * 16);
+    const __m256 ws = bpg == 1 ? scales8(a->params, (n * groups + b) * 2, a->params_dtype)
+        : _mm256_setr_ps(WSCALE(b), WSCALE(b + 2), WSCALE(b + 4), WSCALE(b + 6),
+                         WSCALE(b + 1), WSCALE(b + 3), WSCALE(b + 5), WSCALE(b + 7));
+    for (int r = 0; r < T; r++) {
+      __m256i y[4];
+      for (int j = 0; j < 4; j++) y[j] = pair_sums(w[j], xq + r * K + (b + 2 * j) * 32);
+      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(y[0], y[1]),
+                                          _mm256_hadd_epi32(y[2], y[3]));
+      const __m256 xs = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xd + r * blocks + b), order);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(h), xs), ws, acc[r]);
+    }
+  }
+  for (; b + 2 <= blocks; b += 2) {
+    const __m512i w = codes_pair_u8(q + b * 16);
+    const float s0 = WSCALE(b), s1 = WSCALE(b + 1);
+    for (int r = 0; r < T; r++) {
+      const __m256 scale = _mm256_set_m128(_mm_set1_ps(xd[r * blocks + b + 1] * s1),
+                                           _mm_set1_ps(xd[r * blocks + b] * s0));
+      const __m256 sums = _mm256_cvtepi32_ps(pair_sums(w, xq + r * K + b * 32));
+      acc[r] = _mm256_fmadd_ps(sums, scale, acc[r]);
+    }
+  }
+  if (b < blocks) { /* an odd last block, stored in column order */
+    const __m256i w = codes_u8(q + b * 16);
+    const float s = WSCALE(b);
+    for (int r = 0; r < T; r++) {
+      const __m256i dot = _mm256_dpbusd_epi32(
+          _mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)(xq + r * K + b * 32)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xd[r * blocks + b] * s),
+                               acc[r]);
+    }
+  }
+#undef WSCALE
+  float zsum[TILE_ROWS];
+  zero_terms(a, x->pairs + m0 * 2 * groups, groups, n, T, zsum);
+  for (int r = 0; r < T; r++) store(a, m0 + r, n, hsum8(acc[r]) + zsum[r]);
+}
+#endif
+
 #else /* plain C: the same sums with 8 partial sums per row, vectorised by the compiler */
 
 static inline void store_lanes(const qmm_args *a, float acc[TILE_ROWS][8], int64_t m0, int T,
@@ -755,9 +856,13 @@ DEFINE_MATMUL(bf16_matmul, bf16_column, bf16_wide, 0, 0.0f)
 /* int4 weights times int8 activations (quantize_activations), in tiles of 1-4 rows (the
  * layers call it below quant_matmul.INTEGER_ROWS rows). */
 /* group 32 (GGUF's blocks) with its one block per group a constant, so its loop unrolls */
+#ifdef QMM_VNNI
+#define A8_COLUMN(T, m0, n) int4_a8_column_vnni(a, &x, m0, T, n)
+#else
 #define A8_COLUMN(T, m0, n)                                                               \
   (a->group_size == 32 ? int4_a8_column(a, &x, m0, T, n, 1)                               \
                        : int4_a8_column(a, &x, m0, T, n, a->group_size / 32))
+#endif
 #define A8_TILE(T)                                                                        \
   do {                                                                                    \
     _Pragma("omp parallel for schedule(static) num_threads(a->num_threads)")              \
