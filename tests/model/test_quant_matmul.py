@@ -34,6 +34,20 @@ def build(request, monkeypatch):
     return library
 
 
+def test_the_native_build_has_the_loops_this_cpu_allows():
+    """The native build's int8 activations take the AVX512-VNNI loop exactly where the CPU
+    has it (so that the int8-activation tests below cover it on such CPUs), and the AVX2
+    loops where it has AVX2 and FMA."""
+    if not quant_matmul.available() or native.isa_level() != "native":
+        pytest.skip("the native build only")
+    features = quant_matmul._LIBRARY.load().quant_matmul_features()
+    flags = native.cpu_flags()
+    assert bool(features & 1) == ({"avx2", "fma"} <= flags)
+    assert bool(features & 2) == ("avx512f" in flags)
+    assert bool(features & 4) == ({"avx2", "fma", "avx512_vnni", "avx512bw", "avx512vl"}
+                                  <= flags)
+
+
 def check_close(out: torch.Tensor, expected: torch.Tensor) -> None:
     """float32: the float64 value up to float32 additions; bfloat16: one rounding of it."""
     assert out.shape == expected.shape

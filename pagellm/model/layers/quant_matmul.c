@@ -38,7 +38,9 @@
  * exactly; the result is the float64 product of those rounded activations with the
  * dequantized weight, up to the order of float32 additions. It trades the activations'
  * rounding (up to 1/254 of each block's largest magnitude) for fewer instructions per weight:
- * 32 products in 3 instead of ~12 widening and 4 FMAs.
+ * 32 products in 3 instead of ~12 widening and 4 FMAs. With AVX512-VNNI, eight blocks at a
+ * time, two per vpdpbusd (int4_a8_column_vnni; the activation codes are then stored a pair of
+ * blocks in the codes' lane order).
  *
  * x and out are float32 or bfloat16 (x_bf16); bfloat16 x is widened into the caller's
  * workspace (M * K floats, then the group sums of int4 and int8_zero; int4_a8_matmul: the activations' scales,
@@ -952,11 +954,15 @@ void round_activations(const qmm_args *a, float *out) {
     }
 }
 
-/* Bit 0: the AVX2 inner loops are built in; bit 1: the build may use AVX-512. */
+/* Bit 0: the AVX2 inner loops are built in; bit 1: the build may use AVX-512; bit 2: the int8
+ * activations' AVX512-VNNI loop. */
 int quant_matmul_features(void) {
+  int f = QMM_AVX2;
 #ifdef __AVX512F__
-  return QMM_AVX2 | 2;
-#else
-  return QMM_AVX2;
+  f |= 2;
 #endif
+#ifdef QMM_VNNI
+  f |= 4;
+#endif
+  return f;
 }

@@ -51,7 +51,8 @@ class _Args(ctypes.Structure):
 
 class _Library(native.KernelLibrary):
     """quant_matmul.c loaded (None after a failed build), its features (bit 0: AVX2 loops,
-    bit 1: an AVX-512 build) and a grow-only float32 workspace."""
+    bit 1: an AVX-512 build, bit 2: the int8 activations' AVX512-VNNI loop) and a grow-only
+    float32 workspace."""
 
     features = 0
 
@@ -94,11 +95,12 @@ def describe() -> str:
     library = _LIBRARY.load()
     if library is None:
         return f"torch's weight-only kernels (compiled ones {native.status()[WHAT]})"
+    vnni = "; int8 activations by AVX512-VNNI" if _LIBRARY.features & 4 else ""
     if not preferred():
         return ("torch's weight-only kernels (AVX-512 CPU); compiled ones for group-wise "
-                "int8")
+                f"int8{vnni}")
     loops = "AVX2+FMA" if _LIBRARY.features & 1 else "plain C"
-    return f"compiled, {native.status()[WHAT]}; {loops} loops"
+    return f"compiled, {native.status()[WHAT]}; {loops} loops{vnni}"
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
