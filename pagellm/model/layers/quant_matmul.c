@@ -549,9 +549,8 @@ INLINE __m256i codes_u8(const uint8_t *p) {
  * codes times the row's int8 activations in 8 lanes (vpmaddubsw: unsigned codes times signed
  * bytes, adjacent pairs summed in 16 bits, at most 2 * 15 * 127; vpmaddwd by ones: pairs of
  * those in 32 bits), exact, times the block's activation scale; summed over the group's
- * blocks, times the weight's scale, added into total. With AVX512-VNNI one vpdpbusd makes
- * the same 8 sums (4 products each, in 32 bits): the same integers, 4-12% faster per product
- * on an AMX Xeon (docs/BENCHMARKS.md). */
+ * blocks, times the weight's scale, added into total. (AVX512-VNNI builds take
+ * int4_a8_column_vnni below instead.) */
 INLINE void int4_a8_group(const uint8_t *q, const int8_t *xq, const float *xd,
                                  int64_t K, int64_t b0, int64_t bpg, __m256 scale, int T,
                                  __m256 *total) {
@@ -561,12 +560,7 @@ INLINE void int4_a8_group(const uint8_t *q, const int8_t *xq, const float *xd,
     const __m256i w = codes_u8(q + b * 16);
     for (int r = 0; r < T; r++) {
       const __m256i qx = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * 32));
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, qx);
-      (void)ones;
-#else
       const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, qx), ones);
-#endif
       const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot),
                                         _mm256_broadcast_ss(xd + r * (K / 32) + b));
       sum[r] = b == b0 ? part : _mm256_add_ps(sum[r], part);
