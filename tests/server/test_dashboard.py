@@ -138,9 +138,15 @@ def test_dashboard_draws_the_block_map_under_load(big_server, browser, tmp_path)
         assert 0 < len(mine) < NUM_BLOCKS
         # hover a block of its own: a prefix block shared by many lists only the first few
         private = [e for e in mine if e.get_attribute("data-requests") == known]
-        ActionChains(browser).move_to_element(private[-1] if private else mine[-1]).perform()
+        target = private[-1] if private else mine[-1]
+        ActionChains(browser).move_to_element(target).perform()
         tooltip = wait.until(lambda d: d.find_element(By.ID, "tooltip").text or None)
-        assert known in tooltip and "ref count" in tooltip and "tokens" in tooltip
+        assert "ref count" in tooltip and "tokens" in tooltip
+        # The page polls live: under this load the request may have been preempted or
+        # finished since its block was found, and the block handed to another request. The
+        # tooltip names whoever holds the block when it is hovered.
+        holders = {known, *(target.get_attribute("data-requests") or "").split()}
+        assert any(h in tooltip for h in holders), (holders, tooltip)
         time.sleep(1.0)  # a few more polls, so the picture shows the load growing
         assert "live" in browser.find_element(By.ID, "status").text
     finally:
