@@ -99,10 +99,11 @@ def test_generate_streams_the_greedy_text(tiny_model, reference_llm):
     prompt = "The block allocator"
     expected = reference_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
                                                              ignore_eos=True), use_tqdm=False)
-    result = run_cli("generate", str(tiny_model), "--prompt", prompt, "--temperature", "0",
-                     "--max-tokens", "12", "--ignore-eos", *ENGINE_FLAGS)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == prompt + expected[0].outputs[0].text + "\n"
+    for flag in ("--prompt", "-p"):
+        result = run_cli("generate", str(tiny_model), flag, prompt, "--temperature", "0",
+                         "--max-tokens", "12", "--ignore-eos", *ENGINE_FLAGS)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == prompt + expected[0].outputs[0].text + "\n"
 
 
 def test_chat_keeps_the_conversation(tiny_model, reference_llm):

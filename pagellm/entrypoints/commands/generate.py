@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
         description="Generate a continuation of --prompt (or, with --chat, an assistant reply "
                     "to it through the tokenizer's chat template) and stream it to stdout.")
     p.add_argument("model", help="a local model folder or hub id")
-    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
+    p.add_argument("-p", "--prompt", required=True,
+                   help="the prompt text ('-' reads stdin); -p as in llama.cpp")
     p.add_argument("--chat", action="store_true",
                    help="treat the prompt as a user message of a chat")
     p.add_argument("--system", default=None, help="system message for --chat")
