@@ -194,6 +194,39 @@ DEFINE_PORTABLE_SCORE(score_bf16_portable, bf16_t, load_bf16)
 DEFINE_PORTABLE_VALUE(value_f32_portable, float, float, load_f32, load_f32)
 DEFINE_PORTABLE_VALUE(value_bf16_portable, bf16_t, bf16_t, load_bf16, load_bf16)
 
+/* ---- the prefetch cursor ----------------------------------------------------------------- */
+/* The software prefetches of the block PREFETCH_AHEAD pairs ahead (see "the kernel") are
+   issued a line at a time from inside the AVX-512 loops, interleaved with the arithmetic,
+   not as one burst per (pair, KV head): a burst of a head's 16-33 lines fills the core's fill
+   buffers, and the loops' own L2 hits then wait behind it. Measured on an AMX Xeon (K/V from
+   memory, 64 x 512, one thread): bfloat16 1.3x and int8 1.1x faster per key than the bursts
+   (docs/BENCHMARKS.md, "Prefetches spread over the loops"). The kernel starts the cursor on
+   a (pair, KV head)'s share with prefetch_start; the loops over cache rows call
+   prefetch_step once per 64 bytes they read (not over the 8-bit kernels' tiles, which are in
+   L1); prefetch_flush, after each head's work, issues what they left. The portable and AVX2
+   loops take no steps, so they issue each share as one burst after the head's work: steps in
+   the AVX2 loops made them slower on the same Xeon built without AVX-512 (8-bit from memory
+   1.1-1.2x, all dtypes with the K/V in L2 1.4x). One cursor per thread. */
+typedef struct { const char* next; const char* end; } prefetch_cursor;
+static __thread prefetch_cursor prefetch_at;
+INLINE void prefetch_step(void) {
+  if (prefetch_at.next < prefetch_at.end) {
+    __builtin_prefetch(prefetch_at.next, 0, 1); /* prefetcht2 ("the kernel" says why) */
+    prefetch_at.next += 64;
+  }
+}
+INLINE void prefetch_flush(void) {
+  while (prefetch_at.next < prefetch_at.end) prefetch_step();
+}
+INLINE void prefetch_start(const char* from, int64_t bytes) {
+  prefetch_flush();
+  prefetch_at.next = from;
+  prefetch_at.end = from + bytes;
+}
+/* The steps of a row of D elements of T read by one loop iteration: one per 64 bytes. */
+#define PREFETCH_STEPS(D, T)                                                                 \
+  for (int64_t s_ = 0; s_ < (D) * (int64_t)sizeof(T); s_ += 64) prefetch_step()
+
 /* ---- AVX-512 inner loops ------------------------------------------------------------- */
 #ifdef USE_AVX512
 /* r[i] = horizontal sum of x[i], for 16 vectors at once: 45 instructions instead of 16
@@ -215,8 +248,10 @@ INLINE __m512 sum16(const __m512* x) {
                        _mm512_shuffle_f32x4(eight[0], eight[1], 0xdd));
 }
 
-/* The dot-product skeleton shared by both dtypes: DOT(q registers, row) -> 16 partial sums. */
-#define DEFINE_AVX512_SCORE(NAME, T, QREG, QLOAD, DOT)                                       \
+/* The dot-product skeleton shared by both dtypes: DOT(q registers, row) -> 16 partial sums;
+   STEPS (1 or 0) whether each row read takes its prefetch steps (cache rows do, the 8-bit
+   kernels' tiles in L1 do not). */
+#define DEFINE_AVX512_SCORE(NAME, T, QREG, QLOAD, DOT, STEPS)                                \
 INLINE void NAME(const T* restrict q, const T* restrict k, int64_t ks, int64_t n,            \
                  float scale, float* restrict out, const int64_t D) {                         \
   QREG qv[16];                                                                               \
@@ -226,7 +261,10 @@ INLINE void NAME(const T* restrict q, const T* restrict k, int64_t ks, int64_t n
   for (; i + 16 <= n; i += 16) {                                                             \
     __m512 dots[16];                                                                         \
     _Pragma("GCC unroll 16")                                                                 \
-    for (int u = 0; u < 16; u++) dots[u] = DOT(qv, k + (i + u) * ks, D);                     \
+    for (int u = 0; u < 16; u++) {                                                           \
+      if (STEPS) PREFETCH_STEPS(D, T);                                                       \
+      dots[u] = DOT(qv, k + (i + u) * ks, D);                                                \
+    }                                                                                        \
     _mm512_storeu_ps(out + i, _mm512_mul_ps(sum16(dots), sv));                               \
   }                                                                                          \
   for (; i < n; i++) out[i] = _mm512_reduce_add_ps(DOT(qv, k + i * ks, D)) * scale;          \
@@ -272,7 +310,8 @@ INLINE void step_f32(const float* w, int64_t ws, const float* v, int64_t vs, int
     a1[g] = _mm512_fmadd_ps(wg, x1, a1[g]);
   }
 }
-DEFINE_AVX512_SCORE(score_f32_avx512, float, __m512, qload_f32, dot_f32)
+DEFINE_AVX512_SCORE(score_f32_avx512, float, __m512, qload_f32, dot_f32, 1)
+DEFINE_AVX512_SCORE(score_f32_tile_avx512, float, __m512, qload_f32, dot_f32, 0)
 DEFINE_AVX512_VALUE(value_f32_avx512, float, float, step_f32, 1)
 #endif
 
@@ -301,6 +340,7 @@ INLINE void step_bf16(const bf16_t* w, int64_t ws, const bf16_t* v, int64_t vs, 
       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_index = _mm512_add_epi16(lo_index, _mm512_set1_epi16(16));
   const int pair = i + 1 < n;
+  PREFETCH_STEPS(64, bf16_t); /* the two keys' 32 dimensions */
   const __m512i x = _mm512_loadu_si512(v);
   const __m512i y = pair ? _mm512_loadu_si512(v + vs) : _mm512_setzero_si512();
   const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(x, lo_index, y);
@@ -311,7 +351,8 @@ INLINE void step_bf16(const bf16_t* w, int64_t ws, const bf16_t* v, int64_t vs, 
     a1[g] = _mm512_dpbf16_ps(a1[g], wg, hi);
   }
 }
-DEFINE_AVX512_SCORE(score_bf16_avx512, bf16_t, __m512bh, qload_bf16, dot_bf16)
+DEFINE_AVX512_SCORE(score_bf16_avx512, bf16_t, __m512bh, qload_bf16, dot_bf16, 1)
+DEFINE_AVX512_SCORE(score_bf16_tile_avx512, bf16_t, __m512bh, qload_bf16, dot_bf16, 0)
 DEFINE_AVX512_VALUE(value_bf16_avx512, bf16_t, bf16_t, step_bf16, 2)
 #endif
 
@@ -642,25 +683,22 @@ INLINE void reduce_rows(const decode_args* a, int64_t nt, int bf16_out) {
 /* ---- the kernel ------------------------------------------------------------------------ */
 
 /* Software prefetch into L2 (prefetcht2: prefetcht0 stalls on the L1 fill buffers) of the
-   block PREFETCH_AHEAD pairs ahead; called once per KV head with that head's share, so that
-   the requests spread over the block's work. Blocks of more than SLICE_KEYS keys (twice that
-   in the 16-bit AVX2 kernels, DEFINE_KERNEL's SLICE) are worked that many keys at a time
-   instead, each slice issuing its part of the share (prefetch_slice): a whole share at once
-   (64 lines and more from 64 keys) is more requests than the core keeps in flight, and the
-   ones it cannot take arrive late or not at all (K/V read from memory, 128-key blocks against
-   16: bfloat16 1.4x and int8 1.3x slower per key on a Zen 4 EPYC, int8 1.5x on a Zen 3). */
+   block PREFETCH_AHEAD pairs ahead, each KV head's step of a block issuing that head's share
+   through the prefetch cursor (above), so that the requests spread over the block's work.
+   Blocks of more than SLICE_KEYS keys (twice that in the 16-bit AVX2 kernels, DEFINE_KERNEL's
+   SLICE) are worked that many keys at a time instead, each slice starting the cursor on its
+   part of the share: a whole share at once (64 lines and more from 64 keys) is more requests
+   than the core keeps in flight, and the ones it cannot take arrive late or not at all (K/V
+   read from memory, 128-key blocks against 16, both as bursts: bfloat16 1.4x and int8 1.3x
+   slower per key on a Zen 4 EPYC, int8 1.5x on a Zen 3). */
 #define PREFETCH_AHEAD 2
 #define SLICE_KEYS 16
-INLINE void prefetch_share(const char* block, int64_t bytes, int64_t part, int64_t parts) {
-  const int64_t share = bytes / parts;
-  for (int64_t b = 0; b < share; b += 64) __builtin_prefetch(block + part * share + b, 0, 1);
-}
-/* Keys [k0, k1) of part `part`'s share, for blocks of bs keys. */
-INLINE void prefetch_slice(const char* block, int64_t bytes, int64_t part, int64_t parts,
-                           int64_t bs, int64_t k0, int64_t k1) {
+/* Start the cursor on keys [k0, k1) of KV head `part`'s share of the block (the whole share
+   where k0 = 0 and k1 = bs), for blocks of bs keys. */
+INLINE void prefetch_keys(const char* block, int64_t bytes, int64_t part, int64_t parts,
+                          int64_t bs, int64_t k0, int64_t k1) {
   const int64_t share = bytes / parts, key_bytes = share / bs;
-  for (int64_t b = k0 * key_bytes; b < k1 * key_bytes; b += 64)
-    __builtin_prefetch(block + part * share + b, 0, 1);
+  prefetch_start(block + part * share + k0 * key_bytes, (k1 - k0) * key_bytes);
 }
 
 /* Prefetch (into L1) the workspace lines pair pa's KV head h touches in this pass: the G rows'
@@ -760,15 +798,15 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
         const T* block = cache + a->pair_phys[p] * block_elems + lo * KVH * D;               \
         for (int64_t h = 0; h < KVH; h++) {                                                  \
           if (ahead) {                                                                       \
-            if (!sliced) prefetch_share(ahead, block_bytes, h, KVH);                         \
+            if (!sliced) prefetch_keys(ahead, block_bytes, h, KVH, bs, 0, bs);               \
             prefetch_rows(a, p + PREFETCH_AHEAD, h, G, pass, ROUNDED, t);                    \
           }                                                                                  \
           float* row = rows + (s * H + h * G) * rf; /* query head h * G, then G - 1 more */  \
           for (int64_t j = 0; j < bs; j += (SLICE)) { /* one slice unless sliced */          \
             const int64_t k0 = sliced && j > lo ? j : lo;                                    \
             const int64_t k1 = sliced && j + (SLICE) < hi ? j + (SLICE) : hi;                \
-            if (ahead && sliced) prefetch_slice(ahead, block_bytes, h, KVH, bs, j,           \
-                                                j + (SLICE) < bs ? j + (SLICE) : bs);        \
+            if (ahead && sliced) prefetch_keys(ahead, block_bytes, h, KVH, bs, j,            \
+                                               j + (SLICE) < bs ? j + (SLICE) : bs);         \
             if (k0 < k1 && pass == 0) {                                                      \
               SCORE((const T*)a->q + (s * H + h * G) * D, block + ((k0 - lo) * KVH + h) * D, \
                     KVH * D, k1 - k0, a->scale, row + pos + k0 - lo, rf, D, G);              \
@@ -780,6 +818,7 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
             }                                                                                \
             if (!sliced) break;                                                              \
           }                                                                                  \
+          prefetch_flush(); /* what the loops left of this head's share */                   \
         }                                                                                    \
       }                                                                                      \
       if (pass == 0) softmax_rows(a, nt, ROUNDED);                                           \
@@ -988,7 +1027,7 @@ DEFINE_DEQUANT_BF16(dequant_e5m2_bf16, cvt_e5m2, 1.0f)
 DEFINE_DEQUANT_BF16(dequant_e4m3_bf16, cvt_e4m3, 256.0f)
 INLINE void score_tile_bf16(const bf16_t* q, const bf16_t* tile, const float* sc, int64_t n,
                             float scale, float* out, const int64_t D) {
-  score_bf16_avx512(q, tile, D, n, scale, out, D);
+  score_bf16_tile_avx512(q, tile, D, n, scale, out, D);
   for (int64_t i = 0; i < n; i += 16) { /* vector loads of the vector stores just made */
     const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
     _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + i),
@@ -1074,6 +1113,7 @@ INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,       
     const uint8_t* restrict r = rows + i * stride;                                           \
     sc[i] = row_scale(r, D);                                                                 \
     for (int64_t d = 0; d < D; d += 64) {                                                    \
+      prefetch_step();                                                                       \
       __m512i x, y;                                                                          \
       q8_lut_cvt(&t, _mm512_loadu_si512(r + d), F, &x, &y);                                  \
       _mm512_storeu_si512(tile + i * D + d, x);                                              \
@@ -1100,6 +1140,7 @@ INLINE void NAME(const bf16_t* wt, const uint8_t* restrict v, int64_t vs, int64_
         for (int c = 0; c < 4; c++) a[g][c] = _mm512_loadu_ps(ag + g * D + 16 * c);         \
       for (int64_t i = 0; i < n; i += 2) {                                                   \
         const int pair = i + 1 < n;                                                          \
+        PREFETCH_STEPS(128, uint8_t); /* the two keys' 64 dimensions */                      \
         const __m512i x = _mm512_loadu_si512(v + i * vs + dc);                               \
         const __m512i y = pair ? _mm512_loadu_si512(v + (i + 1) * vs + dc)                   \
                                : _mm512_setzero_si512();                                     \
@@ -1158,15 +1199,15 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
         const uint8_t* block = cache + a->pair_phys[p] * block_bytes;                        \
         for (int64_t h = 0; h < KVH; h++) {                                                  \
           if (ahead) {                                                                       \
-            if (!sliced) prefetch_share(ahead, block_bytes, h, KVH);                         \
+            if (!sliced) prefetch_keys(ahead, block_bytes, h, KVH, bs, 0, bs);               \
             prefetch_rows(a, p + PREFETCH_AHEAD, h, G, pass, 0, t);                          \
           }                                                                                  \
           const int64_t r0 = s * H + h * G;                                                  \
           for (int64_t j = 0; j < bs; j += SLICE_KEYS) { /* one slice unless sliced */       \
             const int64_t k0s = sliced && j > lo ? j : lo;                                   \
             const int64_t k1s = sliced && j + SLICE_KEYS < hi ? j + SLICE_KEYS : hi;         \
-            if (ahead && sliced) prefetch_slice(ahead, block_bytes, h, KVH, bs, j,           \
-                                                j + SLICE_KEYS < bs ? j + SLICE_KEYS : bs);  \
+            if (ahead && sliced) prefetch_keys(ahead, block_bytes, h, KVH, bs, j,            \
+                                               j + SLICE_KEYS < bs ? j + SLICE_KEYS : bs);   \
             for (int64_t k0 = k0s; k0 < k1s; k0 += KEYS) {                                   \
               const int64_t n = k1s - k0 < KEYS ? k1s - k0 : KEYS;                           \
               float* w = rows + r0 * rf + a->pair_block[p] * bs + k0; /* key k0's place */   \
@@ -1176,6 +1217,7 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
             }                                                                                \
             if (!sliced) break;                                                              \
           }                                                                                  \
+          prefetch_flush(); /* what the loops left of this head's share */                   \
         }                                                                                    \
       }                                                                                      \
       if (pass == 0) softmax_rows(a, nt, 0);                                                 \
@@ -1230,8 +1272,8 @@ Q8_INSTANCE(q8_f32_lut, f32, float, dequant_lut_portable, f32_portable)
 Q8_INSTANCE(q8_bf16_int8, bf16, float, dequant_int8_portable, bf16_portable)
 Q8_INSTANCE(q8_bf16_lut, bf16, float, dequant_lut_portable, bf16_portable)
 #ifdef USE_Q8_AVX512
-DEFINE_F32_TILE_OPS(f32_avx512, float, load_f32, score_f32_avx512, value_f32_avx512)
-DEFINE_F32_TILE_OPS(bf16_avx512, bf16_t, load_bf16, score_f32_avx512, value_f32_avx512)
+DEFINE_F32_TILE_OPS(f32_avx512, float, load_f32, score_f32_tile_avx512, value_f32_avx512)
+DEFINE_F32_TILE_OPS(bf16_avx512, bf16_t, load_bf16, score_f32_tile_avx512, value_f32_avx512)
 Q8_INSTANCE(q8_f32_int8_avx512, f32, float, dequant_int8_avx512, f32_avx512)
 Q8_INSTANCE(q8_f32_e4m3_avx512, f32, float, dequant_e4m3_avx512, f32_avx512)
 Q8_INSTANCE(q8_f32_e5m2_avx512, f32, float, dequant_e5m2_avx512, f32_avx512)
