@@ -81,13 +81,28 @@ def vector_paths() -> dict[str, str]:
     256; other shapes take the plain-C loops): ``AVX-512`` (bfloat16: ``AVX-512 BF16``, its
     dot-product instructions), else ``AVX2`` where the CPU has it, else ``plain C``.
     ``8-bit`` is the int8 / fp8 caches' (kv_quant.py): ``AVX-512 VBMI`` where the codes are
-    converted by byte-table lookups (bfloat16 queries, head_dim % 64 == 0)."""
+    converted by byte-table lookups (bfloat16 queries, head_dim % 64 == 0), ``AMX`` where
+    the dot products of those run on the tile registers as well (at most 16 query heads per
+    KV head; see use_amx)."""
     library = _KERNEL.load()
     features = library.paged_decode_features() if library is not None else 0
     avx2 = "AVX2" if features & 8 else "plain C"
+    q8 = "AVX-512 VBMI" if features & 16 else "AVX-512" if features & 4 else avx2
     return {"float32": "AVX-512" if features & 1 else avx2,
             "bfloat16": "AVX-512 BF16" if features & 2 else avx2,
-            "8-bit": "AVX-512 VBMI" if features & 16 else "AVX-512" if features & 4 else avx2}
+            "8-bit": "AMX" if use_amx() else q8}
+
+
+def use_amx(on: bool | None = None, kernel: _Kernel | None = None) -> bool:
+    """Whether the 8-bit caches' table kernels run their dot products on AMX tiles: only in
+    a build for a CPU with AMX-BF16, and only once Linux grants the process the tile registers
+    (asked on the first call). ``on`` False turns them off (the vector table kernels run
+    instead), True back on where they can; None only asks. ``kernel`` (default the loaded
+    build) is the build to ask."""
+    library = (kernel or _KERNEL).load()
+    if library is None or not hasattr(library, "paged_decode_amx"):
+        return False
+    return bool(library.paged_decode_amx(-1 if on is None else int(on)))
 
 
 def describe() -> str:
@@ -176,11 +191,13 @@ def set_step(call: native.PreparedCall, pairs: tuple[torch.Tensor, torch.Tensor,
 
 def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int
                      ) -> torch.Tensor:
-    """The float32 workspace paged_decode_attention takes for such a step."""
+    """The float32 workspace paged_decode_attention takes for such a step: per query row,
+    its scores (row_floats), one partial sum per thread, and the query's dimension pairs
+    (the AMX kernels')."""
     threads = torch.get_num_threads()
     rows = num_seqs * num_heads
     row_floats = -(-(max_seq_len + (max_seq_len + 1) // 2 + 1) // 16) * 16  # as paged_decode.c
-    return _KERNEL.scratch(rows * (row_floats + threads * head_dim))
+    return _KERNEL.scratch(rows * (row_floats + threads * head_dim + head_dim // 2))
 
 
 def supports_quantized(query: torch.Tensor, cache: QuantizedKVCache) -> bool:
@@ -315,6 +332,9 @@ def _build_and_load(level: str | None, portable: bool) -> ctypes.CDLL | None:
                     getattr(library, f"paged_decode_attention_{name}{suffix}{decoding}"
                             ).argtypes = [ctypes.POINTER(_DecodeArgs)]
         library.paged_decode_features.restype = ctypes.c_int
+        if hasattr(library, "paged_decode_amx"):  # not in older sources (--rev builds of
+            library.paged_decode_amx.argtypes = [ctypes.c_int]  # decode_kernel_variants.py)
+            library.paged_decode_amx.restype = ctypes.c_int
         library.paged_store_q8.argtypes = [ctypes.POINTER(_StoreArgs)]
         library.paged_store_q8.restype = None
     return library

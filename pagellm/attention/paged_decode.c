@@ -30,6 +30,7 @@
    head_dim 64 and 128 and group sizes 1, 2, 3, 4 and 8 are compiled with constant trip
    counts; other shapes take a generic instance. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #if defined(__AVX512F__) && !defined(PAGELLM_PORTABLE)
@@ -39,6 +40,11 @@
 #define USE_AVX512_BF16 1
 #if defined(__AVX512VBMI__)
 #define USE_Q8_PLANES 1 /* the 8-bit caches' table lookups ("AVX512-VBMI" below) */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define USE_Q8_AMX 1    /* and their tile products ("AMX" below) */
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 #endif
 #endif
@@ -208,7 +214,7 @@ DEFINE_PORTABLE_VALUE(value_bf16_portable, bf16_t, bf16_t, load_bf16, load_bf16)
    the AVX2 loops made them slower on the same Xeon built without AVX-512 (8-bit from memory
    1.1-1.2x, all dtypes with the K/V in L2 1.4x). One cursor per thread. */
 typedef struct { const char* next; const char* end; } prefetch_cursor;
-static __thread prefetch_cursor prefetch_at;
+static __thread prefetch_cursor prefetch_at __attribute__((tls_model("initial-exec")));
 INLINE void prefetch_step(void) {
   if (prefetch_at.next < prefetch_at.end) {
     __builtin_prefetch(prefetch_at.next, 0, 1); /* prefetcht2 ("the kernel" says why) */
@@ -1176,9 +1182,10 @@ DEFINE_VALUE_PLANES(value_e5m2_planes, 2)
 #endif
 
 /* One thread's part, as DEFINE_KERNEL's, over 8-bit rows of R = D + 2 bytes, KEYS rows of a
-   (block, KV head) at a time: PREP once before pass 1, then SCORE_ROWS and VALUE_ROWS over
-   the rows for the G query heads of the KV head (first row r0 of the workspace). */
-#define DEFINE_Q8_KERNEL(NAME, QT, KEYS, PREP, SCORE_ROWS, VALUE_ROWS)                       \
+   (block, KV head) at a time: SCORE_ROWS in pass 1 and VALUE_ROWS in pass 2 over the rows for
+   the G query heads of the KV head (first row r0 of the workspace). PHASE(a, k, D, G) runs in
+   each thread before (k = 0, 2) and after (k = 1, 3) its share of pass 1 and pass 2. */
+#define DEFINE_Q8_KERNEL(NAME, QT, KEYS, PHASE, SCORE_ROWS, VALUE_ROWS)                      \
 INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
   const int64_t KVH = a->num_kv_heads, H = a->num_heads;                                     \
   const int64_t bs = a->block_size, rf = row_floats(a), R = D + 2;                           \
@@ -1188,8 +1195,8 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
   {                                                                                          \
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
     const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;              \
-    PREP(a, t, nt, D);                                                                       \
     for (int pass = 0; pass < 2; pass++) {                                                   \
+      PHASE(a, 2 * pass, D, G);                                                              \
       const uint8_t* cache = (const uint8_t*)(pass == 0 ? a->k_cache : a->v_cache);          \
       for (int64_t p = pb; p < pe; p++) {                                                    \
         const char* ahead = p + PREFETCH_AHEAD < pe                                          \
@@ -1220,13 +1227,14 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
           prefetch_flush(); /* what the loops left of this head's share */                   \
         }                                                                                    \
       }                                                                                      \
+      PHASE(a, 2 * pass + 1, D, G);                                                          \
       if (pass == 0) softmax_rows(a, nt, 0);                                                 \
     }                                                                                        \
     reduce_rows(a, nt, sizeof(QT) == 2);                                                     \
   }                                                                                          \
 }
-INLINE void no_prep(const decode_args* a, int64_t t, int64_t nt, const int64_t D) {
-  (void)a; (void)t; (void)nt; (void)D;
+INLINE void no_phase(const decode_args* a, int phase, const int64_t D, const int64_t G) {
+  (void)a; (void)phase; (void)D; (void)G;
 }
 /* The tile kernels' row passes: DEQUANT decodes the rows into a tile (on the stack), then the
    inner loops SCORE (per query head) or VALUE (all G) run over it. */
@@ -1259,7 +1267,7 @@ static void NAME(const decode_args* a) {                                        
 }
 #define Q8_INSTANCE(NAME, QT, TT, DEQUANT, OPS)                                              \
   DEFINE_TILE_ROWS(NAME, QT, TT, DEQUANT, score_tile_##OPS, value_tile_##OPS)                \
-  DEFINE_Q8_KERNEL(kernel_##NAME, QT, TILE_KEYS, no_prep, score_rows_##NAME,                 \
+  DEFINE_Q8_KERNEL(kernel_##NAME, QT, TILE_KEYS, no_phase, score_rows_##NAME,                 \
                    value_rows_##NAME)                                                        \
   DISPATCH_Q8(run_##NAME, kernel_##NAME)
 #ifdef PART_Q8
@@ -1290,13 +1298,235 @@ Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
 #define Q8_PLANES_INSTANCE(FMT)                                                              \
   DEFINE_TILE_ROWS(q8_bf16_##FMT##_planes, bf16, bf16_t, dequant_##FMT##_planes,             \
                    score_tile_bf16, value_tile_bf16)                                         \
-  DEFINE_Q8_KERNEL(kernel_q8_bf16_##FMT##_planes, bf16, TILE_KEYS, no_prep,                  \
+  DEFINE_Q8_KERNEL(kernel_q8_bf16_##FMT##_planes, bf16, TILE_KEYS, no_phase,                  \
                    score_rows_q8_bf16_##FMT##_planes, value_rows_value_##FMT##_planes)       \
   DISPATCH_Q8(run_q8_bf16_##FMT##_planes, kernel_q8_bf16_##FMT##_planes)
 Q8_PLANES_INSTANCE(int8)
 Q8_PLANES_INSTANCE(e4m3)
 Q8_PLANES_INSTANCE(e5m2)
-#define PLANES(FMT, a) if (a->head_dim % 64 == 0) { run_q8_bf16_##FMT##_planes(a); return; }
+#ifdef USE_Q8_AMX
+/* AMX (the tile instructions and their bfloat16 products, Sapphire Rapids and later; head_dim
+   a multiple of 64, at most 16 query heads per KV head): the table kernels' decoding, and the
+   dot products of both passes by TDPBF16PS, 16 keys at a time, in place of the vector dot
+   products, the reduction tree of the scores and the value loop's broadcasts. The products
+   are exact and summed in float32, as by the vector instructions, in another order.
+   Pass 1: scores[16 keys x G] = K tile [16 keys x 32 dims] . Q pairs [16 dim pairs x G], over
+   the head_dim in chunks of 32, the key tile decoded by the tables and the query heads'
+   dimension pairs laid out once per call (query_pairs).
+   Pass 2: out[G x 16 dims] += weights [G x 16 keys] . V pairs [8 key pairs x 16 dims], for
+   64 dimensions at a time (tmm0..3), the V pairs decoded by the tables straight into the
+   layout the products read (step_bf16's).
+   Each (block, KV head)'s decoded rows go to memory, where the tile loads read them; a tile
+   load does not take its data from stores still in flight, so the products of one block run
+   after the next block is decoded (two buffers per thread, amx_state), not right after their
+   own decoding. Linux lends the tile registers to a process only on request (amx_permitted);
+   without them the table kernels run. */
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} amx_config;
+INLINE void amx_configure(int pass, const int64_t G) {
+  amx_config c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int i = 0; i < 8; i++) {
+    if (pass == 0) { /* tmm0 scores, tmm4-5 keys, tmm6-7 query pairs */
+      c.rows[i] = i == 0 || i >= 4 ? 16 : 0;
+      c.colsb[i] = (uint16_t)(i == 4 || i == 5 ? 64 : i == 0 || i >= 6 ? 4 * G : 0);
+    } else {         /* tmm0-3 outputs, tmm4 weights, tmm5-7 value pairs */
+      c.rows[i] = (uint8_t)(i >= 5 ? 8 : G);
+      c.colsb[i] = (uint16_t)(i == 4 ? 32 : 64);
+    }
+  }
+  _tile_loadconfig(&c);
+}
+/* The query heads' dimension pairs, for all sequences, after the partial sums in the
+   workspace (decode_workspace counts them): those of the G heads from workspace row r0 at
+   query_pairs(a, r0), [D / 2 pairs][G heads] word pairs. */
+INLINE uint32_t* query_pairs(const decode_args* a, int64_t r0) {
+  const int64_t rows = a->num_seqs * a->num_heads;
+  return (uint32_t*)(a->workspace + rows * row_floats(a) + a->num_threads * rows * a->head_dim)
+         + r0 * (a->head_dim / 2);
+}
+/* A thread's decoded blocks: two of each pass's, the one whose products are pending and the
+   one being decoded; allocated on a thread's first call, kept for its later ones. */
+typedef struct {
+  bf16_t tile[2][TILE_KEYS * 256]; /* pass 1: the key rows */
+  float sc[2][TILE_KEYS];          /* and their scales */
+  __m512i vp[2][16][TILE_KEYS / 2]; /* pass 2: [chunk of 16 dims][key pair] value pairs */
+  bf16_t wt[2][16 * TILE_KEYS];     /* and the scaled weights */
+  const void* in[2];                /* pass 1: the query pairs; pass 2: unused */
+  float* out[2];                    /* pass 1: the scores; pass 2: the partial sum */
+  int64_t rf[2], n[2];
+  int pending, next;
+} amx_state;
+static __thread amx_state* amx_at __attribute__((tls_model("initial-exec")));
+INLINE void amx_scores(const decode_args* a, int b, const int64_t D, const int64_t G) {
+  amx_state* st = amx_at;
+  const uint32_t* qp = (const uint32_t*)st->in[b];
+  const int64_t n = st->n[b], rf = st->rf[b];
+  float s[16 * 16] __attribute__((aligned(64)));
+  const __m512i rows = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32((int)G));
+  for (int64_t i = 0; i < n; i += 16) {
+    const bf16_t* ki = st->tile[b] + i * D;
+    _tile_zero(0);
+    for (int64_t c = 0; c < D / 32; c += 2) {
+      _tile_loadd(4, ki + 32 * c, D * 2);
+      _tile_loadd(6, qp + 16 * c * G, G * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, ki + 32 * (c + 1), D * 2);
+      _tile_loadd(7, qp + 16 * (c + 1) * G, G * 4);
+      _tile_dpbf16ps(0, 5, 7);
+    }
+    _tile_stored(0, s, G * 4);
+    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 f = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, st->sc[b] + i),
+                                   _mm512_set1_ps(a->scale));
+    for (int64_t g = 0; g < G; g++) { /* the scores [keys][G] to the rows [G][keys] */
+      const __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32((int)g));
+      const __m512 dot = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, at, s, 4);
+      _mm512_mask_storeu_ps(st->out[b] + g * rf + i, m, _mm512_mul_ps(dot, f));
+    }
+  }
+}
+INLINE void amx_values(int b, const int64_t D) {
+  amx_state* st = amx_at;
+  const int64_t n = st->n[b];
+  for (int64_t dc = 0; dc < D; dc += 64) {
+    float* ad = st->out[b] + dc;
+    _tile_loadd(0, ad, D * 4);
+    _tile_loadd(1, ad + 16, D * 4);
+    _tile_loadd(2, ad + 32, D * 4);
+    _tile_loadd(3, ad + 48, D * 4);
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      __m512i(*vp)[TILE_KEYS / 2] = st->vp[b] + dc / 16;
+      _tile_loadd(4, st->wt[b] + i0, TILE_KEYS * 2);
+      _tile_loadd(5, vp[0] + i0 / 2, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, vp[1] + i0 / 2, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(7, vp[2] + i0 / 2, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, vp[3] + i0 / 2, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, ad, D * 4);
+    _tile_stored(1, ad + 16, D * 4);
+    _tile_stored(2, ad + 32, D * 4);
+    _tile_stored(3, ad + 48, D * 4);
+  }
+}
+/* The products of the block decoded last, if any. */
+INLINE void amx_pending(const decode_args* a, int pass, const int64_t D, const int64_t G) {
+  amx_state* st = amx_at;
+  if (!st->pending) return;
+  if (pass == 0) amx_scores(a, 1 - st->next, D, G);
+  else amx_values(1 - st->next, D);
+  st->pending = 0;
+}
+INLINE void amx_phase(const decode_args* a, int phase, const int64_t D, const int64_t G) {
+  if (phase == 0) { /* the query pairs, shared out by (sequence, KV head) */
+    _Pragma("omp for schedule(static)")
+    for (int64_t r0 = 0; r0 < a->num_seqs * a->num_heads; r0 += G) {
+      uint32_t* qp = query_pairs(a, r0);
+      for (int64_t g = 0; g < G; g++) {
+        const uint32_t* qg = (const uint32_t*)((const bf16_t*)a->q + (r0 + g) * D);
+        for (int64_t r = 0; r < D / 2; r++) qp[r * G + g] = qg[r];
+      }
+    }
+    if (!amx_at) amx_at = (amx_state*)aligned_alloc(64, sizeof(amx_state));
+  }
+  if (phase % 2 == 0) {
+    amx_configure(phase / 2, G);
+    amx_at->pending = amx_at->next = 0;
+  } else {
+    amx_pending(a, phase / 2, D, G);
+    if (phase == 3) _tile_release();
+  }
+}
+#define DEFINE_AMX_ROWS(FMT, F)                                                              \
+INLINE void score_rows_amx_##FMT(const decode_args* a, const uint8_t* k, int64_t ks,         \
+                                 int64_t n, int64_t r0, float* out, int64_t rf,              \
+                                 const int64_t D, const int64_t G) {                         \
+  amx_state* st = amx_at;                                                                    \
+  const int b = st->next;                                                                    \
+  dequant_##FMT##_planes(k, ks, n, a->lut, st->tile[b], st->sc[b], D);                       \
+  amx_pending(a, 0, D, G);                                                                   \
+  st->in[b] = query_pairs(a, r0);                                                            \
+  st->out[b] = out;                                                                          \
+  st->rf[b] = rf;                                                                            \
+  st->n[b] = n;                                                                              \
+  st->pending = 1;                                                                           \
+  st->next = 1 - b;                                                                          \
+}                                                                                            \
+INLINE void value_rows_amx_##FMT(const decode_args* a, const uint8_t* v, int64_t vs,         \
+                                 int64_t n, float* w, int64_t rf, float* acc,                \
+                                 const int64_t D, const int64_t G) {                         \
+  amx_state* st = amx_at;                                                                    \
+  const int b = st->next;                                                                    \
+  float sc[TILE_KEYS];                                                                       \
+  for (int64_t i = 0; i < n; i++) sc[i] = row_scale(v + i * vs, D);                          \
+  scaled_weights_bf16(w, rf, sc, n, G, st->wt[b]);                                           \
+  const q8_lut t = q8_lut_load(F);                                                           \
+  const __m512i lo_index = interleave_index();                                               \
+  const __m512i hi_index = _mm512_add_epi8(lo_index, _mm512_set1_epi8(32));                  \
+  const int64_t pairs = (n + 15) / 16 * 8; /* whole chunks of 16 keys, zeros past n */       \
+  for (int64_t dc = 0; dc < D; dc += 64) {                                                   \
+    __m512i(*vp)[TILE_KEYS / 2] = st->vp[b] + dc / 16;                                       \
+    for (int64_t p = 0; p < pairs; p++) {                                                    \
+      const int64_t i = 2 * p;                                                               \
+      if (i >= n) {                                                                          \
+        for (int c = 0; c < 4; c++) vp[c][p] = _mm512_setzero_si512();                       \
+        continue;                                                                            \
+      }                                                                                      \
+      PREFETCH_STEPS(128, uint8_t); /* the two keys' 64 dimensions */                        \
+      const __m512i x = _mm512_loadu_si512(v + i * vs + dc);                                 \
+      const __m512i y = i + 1 < n ? _mm512_loadu_si512(v + (i + 1) * vs + dc)                \
+                                  : _mm512_setzero_si512();                                  \
+      q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, lo_index, y), F, &vp[0][p], &vp[1][p]);     \
+      q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, hi_index, y), F, &vp[2][p], &vp[3][p]);     \
+    }                                                                                        \
+  }                                                                                          \
+  amx_pending(a, 1, D, G);                                                                   \
+  st->out[b] = acc;                                                                          \
+  st->n[b] = n;                                                                              \
+  st->pending = 1;                                                                           \
+  st->next = 1 - b;                                                                          \
+}                                                                                            \
+DEFINE_Q8_KERNEL(kernel_q8_bf16_##FMT##_amx, bf16, TILE_KEYS, amx_phase,                     \
+                 score_rows_amx_##FMT, value_rows_amx_##FMT)                                 \
+DISPATCH_Q8(run_q8_bf16_##FMT##_amx, kernel_q8_bf16_##FMT##_amx)
+DEFINE_AMX_ROWS(int8, 0)
+DEFINE_AMX_ROWS(e4m3, 1)
+DEFINE_AMX_ROWS(e5m2, 2)
+/* Whether the kernels may use the tile registers: Linux (5.16 and later) grants them to a
+   process on request, once (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA);
+   paged_decode_amx(0) turns them off (the table kernels run), (1) on where granted; -1 only
+   asks. Returns whether they are used. */
+static int amx_granted = -1, amx_wanted = 1;
+static int amx_permitted(void) {
+  if (amx_granted < 0) amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return amx_granted && amx_wanted;
+}
+int paged_decode_amx(int on) {
+  if (on >= 0) amx_wanted = on;
+  return amx_permitted();
+}
+#define AMX(FMT, a)                                                                          \
+  if (a->num_heads / a->num_kv_heads <= 16 && amx_permitted()) {                             \
+    run_q8_bf16_##FMT##_amx(a); return;                                                      \
+  }
+#else
+#define AMX(FMT, a)
+#endif
+#define PLANES(FMT, a)                                                                       \
+  if (a->head_dim % 64 == 0) {                                                               \
+    AMX(FMT, a)                                                                              \
+    run_q8_bf16_##FMT##_planes(a); return;                                                   \
+  }
 #else
 #define PLANES(FMT, a)
 #endif
@@ -1333,7 +1563,7 @@ INLINE void value_rows_##QT##_##FMT##_avx2(const decode_args* a, const uint8_t* 
   (void)a;                                                                                   \
   value_##FMT##_avx2(w, rf, v, vs, n, acc, D, G);                                            \
 }                                                                                            \
-DEFINE_Q8_KERNEL(kernel_q8_##QT##_##FMT##_avx2, QT, TILE_KEYS, no_prep,                      \
+DEFINE_Q8_KERNEL(kernel_q8_##QT##_##FMT##_avx2, QT, TILE_KEYS, no_phase,                      \
                  score_rows_##QT##_##FMT##_avx2, value_rows_##QT##_##FMT##_avx2)             \
 DISPATCH_Q8(run_q8_##QT##_##FMT##_avx2, kernel_q8_##QT##_##FMT##_avx2)
 Q8_AVX2_FORMAT(int8, rs_8bit)
@@ -1373,13 +1603,17 @@ Q8_ENTRY(f32, e5m2, q8_f32_lut)
 Q8_ENTRY(bf16, int8, q8_bf16_int8)
 Q8_ENTRY(bf16, e4m3, q8_bf16_lut)
 Q8_ENTRY(bf16, e5m2, q8_bf16_lut)
+#ifndef USE_Q8_AMX
+int paged_decode_amx(int on) { (void)on; return 0; }
+#endif
 
 #endif
 
 #ifdef PART_F32 /* once per library */
 /* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16,
    bit 2 8-bit caches AVX-512, bit 3 AVX2 (for what the AVX-512 bits leave out), bit 4 the
-   8-bit caches' AVX512-VBMI tables (bfloat16 queries, head_dim a multiple of 64). */
+   8-bit caches' AVX512-VBMI tables (bfloat16 queries, head_dim a multiple of 64), bit 5 their
+   AMX products (used where the OS grants the tiles: paged_decode_amx). */
 int paged_decode_features(void) {
   int f = 0;
 #ifdef USE_AVX512
@@ -1396,6 +1630,9 @@ int paged_decode_features(void) {
 #endif
 #ifdef USE_Q8_PLANES
   f |= 16;
+#endif
+#ifdef USE_Q8_AMX
+  f |= 32;
 #endif
   return f;
 }

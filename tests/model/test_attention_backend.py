@@ -181,7 +181,8 @@ def test_prefills_must_precede_decodes():
 def test_each_build_has_the_inner_loops_its_isa_allows(build):
     """Each build uses the vector loops its instruction set has, so that the tests above
     exercise the loops each kind of CPU runs: native ones where this CPU has AVX-512 (with
-    its bfloat16 dot products, and with AVX512-VBMI the 8-bit caches' table lookups) or
+    its bfloat16 dot products, and with AVX512-VBMI the 8-bit caches' table lookups, with AMX
+    their tile products) or
     AVX2, AVX-512 float32 and 8-bit loops with AVX2 bfloat16 ones at x86-64-v4, AVX2 loops at
     x86-64-v3, plain C in the portable build."""
     library = kernel_build(build).load()
@@ -193,5 +194,7 @@ def test_each_build_has_the_inner_loops_its_isa_allows(build):
     assert bool(features & 2) == ("avx512f" in flags and "avx512_bf16" in flags)
     assert bool(features & 4) == ("avx512f" in flags)
     assert bool(features & 16) == ({"avx512f", "avx512_bf16", "avx512vbmi"} <= flags)
+    assert bool(features & 32) == ({"avx512f", "avx512_bf16", "avx512vbmi", "amx_tile",
+                                    "amx_bf16"} <= flags)
     assert bool(features & 8) == ({"avx2", "fma", "f16c"} <= flags  # AVX2 loops for some
                                   and not {"avx512f", "avx512_bf16"} <= flags)

@@ -211,3 +211,41 @@ def test_compiled_store_writes_the_quantizer_s_bytes(fmt_name, dtype):
     assert torch.equal(caches[0].key, caches[1].key)
     assert torch.equal(caches[0].value, caches[1].value)
     assert caches[1].key.flatten(0, 1)[slots[slots >= 0]].any()
+
+
+@pytest.fixture
+def amx():
+    """The 8-bit kernels' AMX products on (skipped where the build or the OS has none), and
+    on again after the test whatever it turned off."""
+    if not cpu_kernel.available() or not cpu_kernel.use_amx(True):
+        pytest.skip("no AMX products here: the build has none (no AMX-BF16 on this CPU) or "
+                    "Linux did not grant the tile registers")
+    yield
+    cpu_kernel.use_amx(True)
+
+
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size",
+                         [(64, 12, 4, 16), (128, 8, 8, 1), (256, 8, 2, 32), (64, 16, 1, 40),
+                          (128, 32, 2, 16), (64, 17, 1, 16)])  # 17 per KV head: no AMX
+def test_amx_products_match_the_table_kernels(fmt_name, head_dim, num_heads, num_kv_heads,
+                                              block_size, amx):
+    """Where the CPU has AMX, bfloat16 decodes over 8-bit caches (head_dim a multiple of
+    64, up to 16 query heads per KV head) take their dot products on the tile registers:
+    the float64 reference's results, and the vector table kernels' up to the order of the
+    float32 sums (one bfloat16 rounding step). Blocks of 1, 16, 32 and 40 keys (worked in
+    slices), partial blocks, 1 to 16 query heads per KV head."""
+    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1), (33, 1)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+        batch, block_size, torch.bfloat16, fmt_name, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, seed=block_size)
+    scale = head_dim ** -0.5
+    outs = {}
+    for on in (True, False):  # the first call stores the step's rows, the second again
+        cpu_kernel.use_amx(on)
+        assert (cpu_kernel.vector_paths()["8-bit"] == "AMX") == on
+        outs[on] = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, None)
+    expected = reference(q, cache, batch, seq_lens, tables, scale, None)
+    for out in outs.values():
+        torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=1e-3, rtol=2 ** -7)
