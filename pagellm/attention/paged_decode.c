@@ -26,7 +26,9 @@
    - AVX2 + FMA + F16C without AVX-512, and for bfloat16 on AVX-512 CPUs without
      AVX512-BF16 (same shapes): each K/V row converted to float32 in registers once for up
      to 3 query heads, float32 FMAs (see "AVX2 inner loops");
-   - portable C otherwise (any head_dim; -DPAGELLM_PORTABLE forces it, so tests cover both).
+   - portable C otherwise (any head_dim; -DPAGELLM_PORTABLE forces it, so tests cover both);
+   - and for the 8-bit caches with bfloat16 queries, on CPUs with AMX-BF16 where Linux grants
+     the tile registers, the dot products of both passes on the tiles ("AMX" below).
    head_dim 64 and 128 and group sizes 1, 2, 3, 4 and 8 are compiled with constant trip
    counts; other shapes take a generic instance. */
 #include <stdint.h>
