@@ -65,7 +65,7 @@ def _matmul_path(model: nn.Module | None) -> str:
     if quantized:
         integer = sum(getattr(m.quantized, "int8_activations", False) for m in linears)
         return (f"weight-only int8/int4 for {quantized} of {len(linears)} projections"
-                + (f" (int8 activations for the {integer} int4 ones)" if integer else ""))
+                + (f" (int8 activations for {integer} of them)" if integer else ""))
     packed = sum(m.packed_weight is not None for m in linears)
     if packed == len(linears):
         return f"oneDNN with packed weights (all {packed} projections)"

@@ -114,6 +114,38 @@ def test_int4_times_int8_activations_matches_float64_reference(build, x_dtype, p
         check_close(out, quant_matmul.quantize_activations(x[:rows]).double() @ deq.T)
 
 
+@pytest.mark.parametrize("x_dtype, param_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("group_size, in_features", [
+    (32, 256), (64, 256), (32, 352), (352, 352), (32, 96), (96, 96), (32, 576)])
+def test_int8_times_int8_activations_matches_float64_reference(build, x_dtype, param_dtype,
+                                                               group_size, in_features):
+    """int8_activations on symmetric int8 weights (GGUF's Q8_0, or one scale per row): the
+    float64 product of the rounded activations with the dequantized weight, codes of +-127
+    included (the VNNI loop's unsigned offset of 128 must come off exactly). Widths as
+    above (eight blocks at a time, then a pair, then one; fewer than eight), groups of one
+    block, of several, and the whole row."""
+    weight, x = inputs(40, in_features, x_dtype, max(ROWS), seed=5)
+    x[1, 32:64] = 0
+    x[2, 70] = 50
+    groups = in_features // group_size
+    scale = (torch.rand(40, groups, generator=torch.Generator().manual_seed(6)) + 0.5) / 100
+    q = torch.randint(-127, 128, (40, in_features), dtype=torch.int8,
+                      generator=torch.Generator().manual_seed(7))
+    q[0, :64], q[3, :32] = 127, -127
+    scale = scale.to(param_dtype).contiguous()
+    params = scale[:, 0].contiguous() if groups == 1 else scale
+    deq = (q.double().view(40, groups, -1) * scale.double()[..., None]).view(40, in_features)
+    for rows in ROWS:
+        out = quant_matmul.int8_matmul(x[:rows], q, params, group_size, int8_activations=True)
+        assert out.dtype == x_dtype
+        check_close(out, quant_matmul.quantize_activations(x[:rows]).double() @ deq.T)
+    with pytest.raises(ValueError, match="group_size=16 and in_features=96 must be multiples"):
+        quant_matmul.int8_matmul(x[:1, :96], q[:, :96], torch.ones(40, 6), 16,
+                                 int8_activations=True)
+
+
 def test_quantize_activations_rounds_each_block_of_32_to_int8():
     """Codes in [-127, 127] with the block's largest magnitude at +-127, each value within
     half a step (amax / 254) of the input; a block of zeros stays zero; K must be a multiple
@@ -276,18 +308,28 @@ def test_layers_on_torch_kernels_when_the_compiled_ones_are_off(monkeypatch):
 
 def test_int4_layer_with_int8_activations(build):
     """The layer's switch reaches its compiled kernel, and use_int8_activations sets it on
-    every int4 layer of a model (and on no other)."""
+    every int4 layer of a model and on the int8 ones that take it (symmetric, whole blocks
+    of 32), and on no other."""
     from torch import nn
 
     from pagellm.model.layers.quantized_linear import use_int8_activations
 
     weight, x = inputs(48, 128, torch.bfloat16, 3)
     layer = Int4Weight.quantize(weight, 32)
-    model = nn.Sequential(layer, Int8Weight.quantize(weight[:, :48]))
-    assert not layer.int8_activations and use_int8_activations(model) == 1
-    assert layer.int8_activations
-    check_close(layer(x), quant_matmul.quantize_activations(x).double()
-                @ layer.dequantized().double().T)
+    int8 = Int8Weight.quantize(weight)  # per row, 128 columns: takes them
+    grouped = Int8Weight(int8.q, int8.scale[:, None].repeat(1, 4).contiguous(), 32)
+    narrow = Int8Weight.quantize(weight[:, :48])  # 48 columns: not whole blocks of 32
+    zeros = Int8Weight(int8.q, int8.scale[:, None].repeat(1, 4).contiguous(), 32,
+                       torch.zeros(48, 4))
+    model = nn.Sequential(layer, int8, grouped, narrow, zeros)
+    assert not layer.int8_activations and use_int8_activations(model) == 3
+    assert layer.int8_activations and int8.int8_activations and grouped.int8_activations
+    assert not narrow.int8_activations and not zeros.int8_activations
+    rounded = quant_matmul.quantize_activations(x).double()
+    for module in (layer, int8, grouped):
+        check_close(module(x), rounded @ module.dequantized().double().T)
+    with pytest.raises(ValueError, match="groups of 48 columns .*multiple of 32 only"):
+        narrow.int8_activations = True
 
 
 def test_int8_activations_take_the_compiled_kernel_where_torch_s_is_preferred(monkeypatch):

@@ -139,8 +139,8 @@ def test_gguf_int4_blocks_map_exactly(type_name):
 
 def test_int8_activations_engine_matches_its_definition(model_zoo):
     """quantization="int4" with int8_activations: the greedy tokens of an engine whose int4
-    projections multiply their dequantized weight by the activations as quantize_activations
-    rounds them (float32), over prompts whose prefill takes both the compiled small-row
+    projections and int8 vocabulary projection multiply their dequantized weight by the
+    activations as quantize_activations rounds them (float32), over prompts whose prefill takes both the compiled small-row
     products and the GEMM path (32 rows), and a decode batch of 3. Without int4 the switch is
     refused."""
     import torch.nn.functional as F
@@ -155,12 +155,16 @@ def test_int8_activations_engine_matches_its_definition(model_zoo):
     reference = LLM(str(llama_dir), enforce_eager=True, **common)  # runs the forward below
     from pagellm.worker.execution_paths import describe_paths
 
-    int4 = [m for m in fast.llm_engine.runner.model.modules() if isinstance(m, Int4Weight)]
-    assert int4 and all(m.int8_activations for m in int4)
-    assert (f"(int8 activations for the {len(int4)} int4 ones)"
+    def rounding(llm):  # the int4 layers, and the int8 vocabulary projection (per row)
+        return [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Int4Weight)
+                or (isinstance(m, Int8Weight) and m.takes_int8_activations)]
+
+    layers = rounding(fast)
+    assert any(isinstance(m, Int8Weight) for m in layers)
+    assert layers and all(m.int8_activations for m in layers)
+    assert (f"(int8 activations for {len(layers)} of them)"
             in describe_paths(fast.llm_engine.runner.model)["matmul"])
-    layers = [m for m in reference.llm_engine.runner.model.modules()
-              if isinstance(m, Int4Weight)]
+    layers = rounding(reference)
     assert layers and not any(m.int8_activations for m in layers)
     for layer in layers:
         layer.forward = (lambda x, w=layer.dequantized():

@@ -59,11 +59,11 @@ HELP = {
     "quantization_group_size": "input columns per int4 scale: 32, 64, 128 or 256 (default: 32 "
                                "for a GGUF file, its Q4 blocks' groups; else 128, or 64 or 32 "
                                "where 128 does not divide a layer's input width)",
-    "int8_activations": "with --quantization int4 or gguf: multiply by activations rounded to int8 "
-                        "per 32 columns, with integer dot products (as llama.cpp's Q4 x Q8): "
-                        "faster small-batch decode on CPUs without AVX-512 (slower on AVX-512 "
-                        "ones, whose int4 layers otherwise run torch's kernels), adds the "
-                        "activations' rounding (default: off)",
+    "int8_activations": "with --quantization int4 or gguf: multiply the int4 layers and the "
+                        "int8 vocabulary projection by activations rounded to int8 per 32 "
+                        "columns, with integer dot products (as llama.cpp's Q4 x Q8 and Q8 x "
+                        "Q8): faster small-batch decode on the CPU (AVX512-VNNI or AVX2 "
+                        "loops), adds the activations' rounding (default: off)",
 }
 POSITIONAL = ("model",)
 # vLLM's short spellings

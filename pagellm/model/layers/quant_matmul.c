@@ -180,11 +180,13 @@ static inline void store(const qmm_args *a, int64_t m, int64_t n, float v) {
  * d = amax / 127 and q = x * (127 / amax) rounded to nearest even (q = 0, d = 0 for a block of
  * zeros), as quant_matmul.quantize_activations computes them in torch; and per row and weight
  * group, the pair (-8 S, S) with S the group's sum over blocks of d * (sum of q), for the
- * zero terms. In the caller's workspace: d, then the pairs, then q. */
+ * zero terms; and each block's sum of q. In the caller's workspace: d, the pairs, the sums,
+ * then q. */
 typedef struct {
   const int8_t *q; /* [M, K] */
   const float *d;  /* [M, K / 32] */
   const float *pairs; /* [M, 2 * K / group_size] */
+  const int32_t *s; /* [M, K / 32] each block's sum of codes (int8 weights' offset terms) */
 } act8;
 
 /* One block of 32 activations, from element i of x (bfloat16 or float32): its codes into q,
@@ -194,12 +196,14 @@ static inline int quantize_block(const void *x, int64_t i, int bf16, int8_t *q, 
 static act8 quantize_activations(const qmm_args *a) {
   const int64_t M = a->rows, K = a->in_features, blocks = K / 32, groups = K / a->group_size;
   float *d = a->workspace, *pairs = d + M * blocks;
-  int8_t *q = (int8_t *)(pairs + M * 2 * groups);
+  int32_t *sums = (int32_t *)(pairs + M * 2 * groups);
+  int8_t *q = (int8_t *)(sums + M * blocks);
   for (int64_t m = 0; m < M; m++) {
     for (int64_t g = 0; g < groups; g++) pairs[(m * groups + g) * 2 + 1] = 0;
     for (int64_t b = 0; b < blocks; b++) {
       const int sum = quantize_block(a->x, m * a->x_stride + b * 32, a->x_bf16,
                                      q + m * K + b * 32, d + m * blocks + b);
+      sums[m * blocks + b] = sum;
       pairs[(m * groups + b * 32 / a->group_size) * 2 + 1] += d[m * blocks + b] * (float)sum;
     }
 #ifdef QMM_VNNI
@@ -213,7 +217,7 @@ static act8 quantize_activations(const qmm_args *a) {
     for (int64_t g = 0; g < groups; g++)
       pairs[(m * groups + g) * 2] = -8.0f * pairs[(m * groups + g) * 2 + 1];
   }
-  const act8 x = {q, d, pairs};
+  const act8 x = {q, d, pairs, sums};
   return x;
 }
 
@@ -695,6 +699,89 @@ INLINE void int4_a8_column_vnni(const qmm_args *a, const act8 *x, int64_t m0, in
   zero_terms(a, x->pairs + m0 * 2 * groups, groups, n, T, zsum);
   for (int r = 0; r < T; r++) store(a, m0 + r, n, hsum8(acc[r]) + zsum[r]);
 }
+
+/* int8 weights (symmetric, groups of a multiple of 32 or one scale per row) times int8
+ * activations, as int4_a8_column_vnni: two blocks' 64 codes per register, their 128-bit
+ * lanes in the activations' order (b 0-15, b + 1 0-15, b 16-31, b + 1 16-31), made unsigned
+ * by adding 128 (a xor of the sign bit) for vpdpbusd, whose sums then hold 128 times the
+ * block's sum of activation codes too, taken off in int32 (exact). */
+INLINE __m512i int8_pair_u8(const int8_t *p) {
+  const __m512i raw = _mm512_loadu_si512((const void *)p);
+  return _mm512_xor_si512(_mm512_shuffle_i64x2(raw, raw, _MM_SHUFFLE(3, 1, 2, 0)),
+                          _mm512_set1_epi8((char)0x80));
+}
+/* params[i .. i + 8) (one per block) in the block sums' lane order 0, 2, 4, 6, 1, 3, 5, 7. */
+INLINE __m256 scales8_contiguous(const void *p, int64_t i, int dtype) {
+  __m256 v;
+  if (dtype == PARAMS_F32) {
+    v = _mm256_loadu_ps((const float *)p + i);
+  } else {
+    const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    v = dtype == PARAMS_F16 ? _mm256_cvtph_ps(half)
+        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+}
+INLINE void int8_a8_column_vnni(const qmm_args *a, const act8 *x, int64_t m0, int T,
+                                int64_t n) {
+  const int64_t K = a->in_features, blocks = K / 32, bpg = a->group_size / 32;
+  const int64_t groups = K / a->group_size;
+  const int8_t *q = (const int8_t *)a->codes + n * K;
+  if (m0 == 0) prefetch_column(a, n, K, groups);
+  const int8_t *xq = x->q + m0 * K;
+  const float *xd = x->d + m0 * blocks;
+  const int32_t *xs = x->s + m0 * blocks;
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+#define WSCALE(b) param(a->params, n * groups + (b) / bpg, a->params_dtype)
+  const float row_scale = groups == 1 ? WSCALE(0) : 0.0f;
+  __m256 acc[TILE_ROWS];
+  float tail[TILE_ROWS];
+  for (int r = 0; r < T; r++) acc[r] = _mm256_setzero_ps(), tail[r] = 0.0f;
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    __m512i w[4];
+    for (int j = 0; j < 4; j++) w[j] = int8_pair_u8(q + (b + 2 * j) * 32);
+    const __m256 ws = groups == 1 ? _mm256_set1_ps(row_scale)
+        : bpg == 1 ? scales8_contiguous(a->params, n * groups + b, a->params_dtype)
+        : _mm256_setr_ps(WSCALE(b), WSCALE(b + 2), WSCALE(b + 4), WSCALE(b + 6),
+                         WSCALE(b + 1), WSCALE(b + 3), WSCALE(b + 5), WSCALE(b + 7));
+    for (int r = 0; r < T; r++) {
+      __m256i y[4];
+      for (int j = 0; j < 4; j++) y[j] = pair_sums(w[j], xq + r * K + (b + 2 * j) * 32);
+      const __m256i offset = _mm256_slli_epi32(_mm256_permutevar8x32_epi32(
+          _mm256_loadu_si256((const __m256i *)(xs + r * blocks + b)), order), 7);
+      const __m256i h = _mm256_sub_epi32(_mm256_hadd_epi32(_mm256_hadd_epi32(y[0], y[1]),
+                                                           _mm256_hadd_epi32(y[2], y[3])),
+                                         offset);
+      const __m256 d = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xd + r * blocks + b), order);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(h), d), ws, acc[r]);
+    }
+  }
+  for (; b + 2 <= blocks; b += 2) { /* the offsets of these taken off once per block */
+    const __m512i w = int8_pair_u8(q + b * 32);
+    const float s0 = WSCALE(b), s1 = WSCALE(b + 1);
+    for (int r = 0; r < T; r++) {
+      const float d0 = xd[r * blocks + b] * s0, d1 = xd[r * blocks + b + 1] * s1;
+      const __m256 sums = _mm256_cvtepi32_ps(pair_sums(w, xq + r * K + b * 32));
+      acc[r] = _mm256_fmadd_ps(sums, _mm256_set_m128(_mm_set1_ps(d1), _mm_set1_ps(d0)), acc[r]);
+      tail[r] -= 128.0f * ((float)xs[r * blocks + b] * d0 + (float)xs[r * blocks + b + 1] * d1);
+    }
+  }
+  if (b < blocks) { /* an odd last block, in column order */
+    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + b * 32)),
+                                       _mm256_set1_epi8((char)0x80));
+    const float s = WSCALE(b);
+    for (int r = 0; r < T; r++) {
+      const float d = xd[r * blocks + b] * s;
+      const __m256i dot = _mm256_dpbusd_epi32(
+          _mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)(xq + r * K + b * 32)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d), acc[r]);
+      tail[r] -= 128.0f * (float)xs[r * blocks + b] * d;
+    }
+  }
+#undef WSCALE
+  for (int r = 0; r < T; r++) store(a, m0 + r, n, hsum8(acc[r]) + tail[r]);
+}
 #endif
 
 #else /* plain C: the same sums with 8 partial sums per row, vectorised by the compiler */
@@ -827,6 +914,31 @@ INLINE void int4_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T, 
 }
 #endif
 
+#ifndef QMM_VNNI
+/* int8 weights (symmetric) times int8 activations without AVX512-VNNI: per block the exact
+ * integer dot product, times the block's activation scale and the weight's scale. */
+INLINE void int8_a8_column(const qmm_args *a, const act8 *x, int64_t m0, int T, int64_t n) {
+  const int64_t K = a->in_features, blocks = K / 32, bpg = a->group_size / 32;
+  const int64_t groups = K / a->group_size;
+  const int8_t *q = (const int8_t *)a->codes + n * K;
+  if (m0 == 0) prefetch_column(a, n, K, groups);
+  for (int r = 0; r < T; r++) {
+    const int8_t *qx = x->q + (m0 + r) * K;
+    float total = 0;
+    for (int64_t g = 0; g < groups; g++) {
+      float sum = 0;
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+        int32_t dot = 0;
+        for (int j = 0; j < 32; j++) dot += (int32_t)q[b * 32 + j] * (int32_t)qx[b * 32 + j];
+        sum += (float)dot * x->d[(m0 + r) * blocks + b];
+      }
+      total += sum * param(a->params, n * groups + g, a->params_dtype);
+    }
+    store(a, m0 + r, n, total);
+  }
+}
+#endif
+
 /* Each output column is one task: its weight row is read once per tile of rows, and the
  * tiles of x stay in the cache. */
 /* All columns for the rows of one tile of T (a constant) rows. */
@@ -873,44 +985,46 @@ DEFINE_MATMUL(int8_matmul, int8_column, int8_wide, 0, 0.0f)
 DEFINE_MATMUL(int8_zero_matmul, int8_zero_column, int8_zero_wide, QMM_AVX2, 0.0f)
 DEFINE_MATMUL(bf16_matmul, bf16_column, bf16_wide, 0, 0.0f)
 
-/* int4 weights times int8 activations (quantize_activations), in tiles of 1-4 rows (the
- * layers call it below quant_matmul.INTEGER_ROWS rows). */
-/* group 32 (GGUF's blocks) with its one block per group a constant, so its loop unrolls */
+/* Weights times int8 activations (quantize_activations), in tiles of 1-4 rows (the layers
+ * call them below quant_matmul.INTEGER_ROWS rows): int4 (group 32, GGUF's blocks, with its
+ * one block per group a constant, so that its loop unrolls), and symmetric int8. */
 #ifdef QMM_VNNI
-#define A8_COLUMN(T, m0, n) int4_a8_column_vnni(a, &x, m0, T, n)
+#define INT4_A8_COLUMN(T, m0, n) int4_a8_column_vnni(a, &x, m0, T, n)
+#define INT8_A8_COLUMN(T, m0, n) int8_a8_column_vnni(a, &x, m0, T, n)
 #else
-#define A8_COLUMN(T, m0, n)                                                               \
+#define INT4_A8_COLUMN(T, m0, n)                                                          \
   (a->group_size == 32 ? int4_a8_column(a, &x, m0, T, n, 1)                               \
                        : int4_a8_column(a, &x, m0, T, n, a->group_size / 32))
+#define INT8_A8_COLUMN(T, m0, n) int8_a8_column(a, &x, m0, T, n)
 #endif
-#define A8_TILE(T)                                                                        \
+#define A8_TILE(COLUMN, T)                                                                \
   do {                                                                                    \
     _Pragma("omp parallel for schedule(static) num_threads(a->num_threads)")              \
-    for (int64_t n = 0; n < N; n++) A8_COLUMN(T, 0, n);                                   \
+    for (int64_t n = 0; n < N; n++) COLUMN(T, 0, n);                                      \
   } while (0)
-
-/* int4 weights times int8 activations (quantize_activations), in tiles of 1-4 rows (the
- * layers call it below quant_matmul.INTEGER_ROWS rows). */
-void int4_a8_matmul(const qmm_args *a) {
-  const act8 x = quantize_activations(a);
-  const int64_t M = a->rows, N = a->out_features;
-  switch (M) { /* one tile: its loop without the tile dispatch per column */
-    case 1: A8_TILE(1); return;
-    case 2: A8_TILE(2); return;
-    case 3: A8_TILE(3); return;
-    case 4: A8_TILE(4); return;
+#define DEFINE_A8_MATMUL(NAME, COLUMN)                                                    \
+  void NAME(const qmm_args *a) {                                                          \
+    const act8 x = quantize_activations(a);                                               \
+    const int64_t M = a->rows, N = a->out_features;                                       \
+    switch (M) { /* one tile: its loop without the tile dispatch per column */            \
+      case 1: A8_TILE(COLUMN, 1); return;                                                 \
+      case 2: A8_TILE(COLUMN, 2); return;                                                 \
+      case 3: A8_TILE(COLUMN, 3); return;                                                 \
+      case 4: A8_TILE(COLUMN, 4); return;                                                 \
+    }                                                                                     \
+    _Pragma("omp parallel for schedule(static) num_threads(a->num_threads)")              \
+    for (int64_t n = 0; n < N; n++)                                                       \
+      for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {                                     \
+        switch (M - m0 >= TILE_ROWS ? TILE_ROWS : M - m0) { /* constant tiles unroll */   \
+          case 4: COLUMN(4, m0, n); break;                                                \
+          case 3: COLUMN(3, m0, n); break;                                                \
+          case 2: COLUMN(2, m0, n); break;                                                \
+          default: COLUMN(1, m0, n); break;                                               \
+        }                                                                                 \
+      }                                                                                   \
   }
-#pragma omp parallel for schedule(static) num_threads(a->num_threads)
-  for (int64_t n = 0; n < N; n++)
-    for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
-      switch (M - m0 >= TILE_ROWS ? TILE_ROWS : M - m0) { /* constant tiles unroll */
-        case 4: A8_COLUMN(4, m0, n); break;
-        case 3: A8_COLUMN(3, m0, n); break;
-        case 2: A8_COLUMN(2, m0, n); break;
-        default: A8_COLUMN(1, m0, n); break;
-      }
-    }
-}
+DEFINE_A8_MATMUL(int4_a8_matmul, INT4_A8_COLUMN)
+DEFINE_A8_MATMUL(int8_a8_matmul, INT8_A8_COLUMN)
 
 /* Dequantized rows [row0, row0 + count) of W as float32 [count, K]: the large-batch path,
  * where a float32 GEMM on a cache-sized slice of W beats widening each weight per tile. */

@@ -61,7 +61,7 @@ class _Library(native.KernelLibrary):
         library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
         if library is not None:
             for name in ("int4_matmul", "int8_matmul", "int8_zero_matmul", "bf16_matmul",
-                         "int4_a8_matmul"):
+                         "int4_a8_matmul", "int8_a8_matmul"):
                 getattr(library, name).argtypes = [ctypes.POINTER(_Args)]
                 getattr(library, name).restype = None
             library.round_activations.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
@@ -136,8 +136,9 @@ class QuantizedMatmul:
     as it is, K % 8 == 0; params ignored). ``bias`` [N], added in float32 before the
     one rounding to x's dtype.
 
-    ``int8_activations`` (int4 only; settable): multiply x rounded by quantize_activations
-    instead of x: with integer dot products below INTEGER_ROWS rows (int4_a8_matmul), from
+    ``int8_activations`` (int4, and int8 without zeros whose groups are multiples of 32;
+    settable; takes_int8_activations says whether the integer products apply): multiply x rounded by quantize_activations instead of x: with
+    integer dot products below INTEGER_ROWS rows (int4_a8_matmul, int8_a8_matmul), from
     there the float loops (and from GEMM_ROWS the float32 GEMM) on the rounded rows."""
 
     int8_activations = False
@@ -153,6 +154,9 @@ class QuantizedMatmul:
             raise ValueError(f"quantized matmul: parameters in "
                              f"{str(params.dtype).removeprefix('torch.')}; float32, bfloat16 "
                              f"or float16")
+        # int8_activations' integer products: int4, and symmetric int8 in whole blocks of 32
+        self.takes_int8_activations = kind == "int4" or (
+            kind == "int8" and group_size % 32 == 0 and self.in_features % 32 == 0)
         self.args = _Args(0, codes.data_ptr(), params.data_ptr(), 0, 0, 0, self.out_features,
                           self.in_features, group_size, 0, 1, 0, params_dtype, None)
         self.pointer = ctypes.byref(self.args)
@@ -168,7 +172,7 @@ class QuantizedMatmul:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         num_rows = rows.shape[0]
-        integer = self.int8_activations and self.kind == "int4"
+        integer = self.int8_activations and self.takes_int8_activations
         args = self.args
         if integer and num_rows >= INTEGER_ROWS:  # the float loops on the rounded rows
             rows, integer = _rounded_rows(library, args, rows), False
@@ -197,7 +201,7 @@ class QuantizedMatmul:
         if rows >= GEMM_ROWS:
             raise ValueError(f"prepared: {rows} rows take the GEMM path")
         library = _LIBRARY.load()
-        integer = self.int8_activations and self.kind == "int4"
+        integer = self.int8_activations and self.takes_int8_activations
         args = _Args.from_buffer_copy(self.args)
         _set_rows(args, x)
         args.out, args.workspace, args.bias = out.data_ptr(), workspace.data_ptr(), None
@@ -212,7 +216,7 @@ class QuantizedMatmul:
         matmul_args.x, matmul_args.x_stride, matmul_args.x_bf16 = (rounded.data_ptr(),
                                                                    self.in_features, 0)
         matmul_args.out = out32.data_ptr()
-        matmul = native.PreparedCall(library.int4_matmul, matmul_args)
+        matmul = native.PreparedCall(getattr(library, f"{self.kind}_matmul"), matmul_args)
 
         def call() -> None:  # holds rounded and out32, which the kernels write through pointers
             rounding.function(rounding.pointer, rounded.data_ptr())
@@ -260,10 +264,16 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                group_size: int) -> torch.Tensor:
+                group_size: int, int8_activations: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T with W[n, k] = q[n, k] * scale[n, g]: q [N, K] int8, scale
-    [N, K / group_size] (or [N] with group_size K)."""
-    return QuantizedMatmul("int8", q, scale, group_size)(x)
+    [N, K / group_size] (or [N] with group_size K); ``int8_activations`` (group_size and K
+    multiples of 32): x rounded by quantize_activations first."""
+    matmul = QuantizedMatmul("int8", q, scale, group_size)
+    if int8_activations and not matmul.takes_int8_activations:
+        raise ValueError(f"int8 activations: group_size={group_size} and in_features="
+                         f"{matmul.in_features} must be multiples of {ACTIVATION_BLOCK}")
+    matmul.int8_activations = int8_activations
+    return matmul(x)
 
 
 def _set_rows(args: _Args, rows: torch.Tensor) -> None:
@@ -274,8 +284,8 @@ def _set_rows(args: _Args, rows: torch.Tensor) -> None:
 
 
 def _kernel(kind: str, integer: bool) -> str:
-    """The product's C function: int4_a8_matmul for int8 activations, else by kind."""
-    return "int4_a8_matmul" if integer else f"{kind}_matmul"
+    """The product's C function by kind: {kind}_a8_matmul for int8 activations."""
+    return f"{kind}_a8_matmul" if integer else f"{kind}_matmul"
 
 
 def _rounded_rows(library: ctypes.CDLL, args: _Args, rows: torch.Tensor) -> torch.Tensor:

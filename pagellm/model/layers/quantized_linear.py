@@ -86,6 +86,31 @@ class Int8Weight(nn.Module):
                                                     self.q, self.params, self.group_size)
 
     @property
+    def int8_activations(self) -> bool:
+        """Whether x is rounded by quant_matmul.quantize_activations before the product, as
+        Int4Weight's (integer dot products of the codes, as llama.cpp's Q8_0 x Q8_0): only
+        for symmetric codes in whole blocks of 32 (takes_int8_activations)."""
+        return self.kernel.int8_activations
+
+    @int8_activations.setter
+    def int8_activations(self, on: bool) -> None:
+        if on and not self.takes_int8_activations:
+            raise ValueError(f"int8_activations: int8 weights with zeros or groups of "
+                             f"{self.group_size} columns (in_features "
+                             f"{self.q.shape[1]}); symmetric groups of a multiple of 32 only")
+        if on and not quant_matmul.available():
+            raise ValueError("int8_activations: the compiled quantized matmul kernels are "
+                             f"not built here ({quant_matmul.describe()})")
+        self.kernel.int8_activations = bool(on)
+        if on:
+            self.compiled = True  # torch's kernel would take the rounded rows in float32
+
+    @property
+    def takes_int8_activations(self) -> bool:
+        """Whether int8_activations can be set (symmetric, groups a multiple of 32)."""
+        return not self.has_zeros and self.kernel.takes_int8_activations
+
+    @property
     def scale(self) -> torch.Tensor:
         """[N] or [N, K / group_size]."""
         return self.params[..., 0] if self.has_zeros else self.params
@@ -317,8 +342,11 @@ def quantize_linear(module: nn.Module, method: str, group_size: int) -> nn.Modul
 
 
 def use_int8_activations(model: nn.Module) -> int:
-    """Set int8_activations on every int4 layer of a loaded model; returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, Int4Weight)]
+    """Set int8_activations on every int4 layer of a loaded model, and on every int8 one
+    that takes them (symmetric groups of a multiple of 32: a GGUF's Q8_0 vocabulary
+    projection, the per-channel int8 one of quantization="int4"); returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Weight)
+              or (isinstance(m, Int8Weight) and m.takes_int8_activations)]
     for layer in layers:
         layer.int8_activations = True
     return len(layers)
