@@ -712,15 +712,8 @@ INLINE __m512i int8_pair_u8(const int8_t *p) {
 }
 /* params[i .. i + 8) (one per block) in the block sums' lane order 0, 2, 4, 6, 1, 3, 5, 7. */
 INLINE __m256 scales8_contiguous(const void *p, int64_t i, int dtype) {
-  __m256 v;
-  if (dtype == PARAMS_F32) {
-    v = _mm256_loadu_ps((const float *)p + i);
-  } else {
-    const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-    v = dtype == PARAMS_F16 ? _mm256_cvtph_ps(half)
-        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-  }
-  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+  return _mm256_permutevar8x32_ps(load_params(p, i, dtype),
+                                  _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
 }
 INLINE void int8_a8_column_vnni(const qmm_args *a, const act8 *x, int64_t m0, int T,
                                 int64_t n) {
