@@ -90,6 +90,12 @@ def preferred() -> bool:
     return _LIBRARY.load() is not None and not _LIBRARY.features & 2
 
 
+def has_vnni_loops() -> bool:
+    """Whether the loaded build has the AVX512-VNNI loops of the int8-activation products
+    (int8 weights take int8 activations only there by default: use_int8_activations)."""
+    return _LIBRARY.load() is not None and bool(_LIBRARY.features & 4)
+
+
 def describe() -> str:
     """One line for humans: which kernels the quantized projections run."""
     library = _LIBRARY.load()

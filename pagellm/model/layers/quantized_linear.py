@@ -342,11 +342,14 @@ def quantize_linear(module: nn.Module, method: str, group_size: int) -> nn.Modul
 
 
 def use_int8_activations(model: nn.Module) -> int:
-    """Set int8_activations on every int4 layer of a loaded model, and on every int8 one
-    that takes them (symmetric groups of a multiple of 32: a GGUF's Q8_0 vocabulary
-    projection, the per-channel int8 one of quantization="int4"); returns how many."""
+    """Set int8_activations on every int4 layer of a loaded model, and, where the build has
+    the AVX512-VNNI loops (elsewhere the int8 products with int8 activations are plain C and
+    were not measured against the float loops), on every int8 one that takes them
+    (symmetric groups of a multiple of 32: a GGUF's Q8_0 vocabulary projection, the
+    per-channel int8 one of quantization="int4"); returns how many."""
+    vnni = quant_matmul.has_vnni_loops()
     layers = [m for m in model.modules() if isinstance(m, Int4Weight)
-              or (isinstance(m, Int8Weight) and m.takes_int8_activations)]
+              or (vnni and isinstance(m, Int8Weight) and m.takes_int8_activations)]
     for layer in layers:
         layer.int8_activations = True
     return len(layers)
