@@ -80,10 +80,10 @@ class EngineArgs:
     # does not divide a projection's input width (quantized_linear.default_group_size)
     quantization_group_size: int | None = None
     # With quantization="int4" or "gguf": multiply the int4 weights (and, with AVX512-VNNI,
-    # the symmetric int8 vocabulary projection) by activations rounded to int8 codes per 32 columns (a float32
-    # scale each), with integer dot products, as llama.cpp's Q4 x Q8 and Q8 x Q8 products do:
-    # faster small-batch decode on the CPU, at the cost of the activations' rounding
-    # (quant_matmul.quantize_activations)
+    # the symmetric int8 vocabulary projection) by activations rounded to int8 codes per 32
+    # columns (a float32 scale each), with integer dot products, as llama.cpp's Q4 x Q8 and
+    # Q8 x Q8 products do: faster small-batch decode on the CPU, at the cost of the
+    # activations' rounding (quant_matmul.quantize_activations)
     int8_activations: bool = False
 
     def validate(self) -> None:

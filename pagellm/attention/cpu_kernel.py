@@ -93,13 +93,12 @@ def vector_paths() -> dict[str, str]:
             "8-bit": "AMX" if use_amx() else q8}
 
 
-def use_amx(on: bool | None = None, kernel: _Kernel | None = None) -> bool:
+def use_amx(on: bool | None = None) -> bool:
     """Whether the 8-bit caches' table kernels run their dot products on AMX tiles: only in
     a build for a CPU with AMX-BF16, and only once Linux grants the process the tile registers
     (asked on the first call). ``on`` False turns them off (the vector table kernels run
-    instead), True back on where they can; None only asks. ``kernel`` (default the loaded
-    build) is the build to ask."""
-    library = (kernel or _KERNEL).load()
+    instead), True back on where they can; None only asks."""
+    library = _KERNEL.load()
     if library is None or not hasattr(library, "paged_decode_amx"):
         return False
     return bool(library.paged_decode_amx(-1 if on is None else int(on)))

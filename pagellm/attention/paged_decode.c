@@ -1358,15 +1358,15 @@ typedef struct {
   float sc[2][TILE_KEYS];          /* and their scales */
   __m512i vp[2][16][TILE_KEYS / 2]; /* pass 2: [chunk of 16 dims][key pair] value pairs */
   bf16_t wt[2][16 * TILE_KEYS];     /* and the scaled weights */
-  const void* in[2];                /* pass 1: the query pairs; pass 2: unused */
+  const uint32_t* qp[2];            /* pass 1: the query pairs */
   float* out[2];                    /* pass 1: the scores; pass 2: the partial sum */
-  int64_t rf[2], n[2];
+  int64_t rf[2], n[2];              /* the scores' row stride (pass 1); the keys */
   int pending, next;
 } amx_state;
 static __thread amx_state* amx_at __attribute__((tls_model("initial-exec")));
 INLINE void amx_scores(const decode_args* a, int b, const int64_t D, const int64_t G) {
   amx_state* st = amx_at;
-  const uint32_t* qp = (const uint32_t*)st->in[b];
+  const uint32_t* qp = st->qp[b];
   const int64_t n = st->n[b], rf = st->rf[b];
   float s[16 * 16] __attribute__((aligned(64)));
   const __m512i rows = _mm512_mullo_epi32(
@@ -1457,7 +1457,7 @@ INLINE void score_rows_amx_##FMT(const decode_args* a, const uint8_t* k, int64_t
   const int b = st->next;                                                                    \
   dequant_##FMT##_planes(k, ks, n, a->lut, st->tile[b], st->sc[b], D);                       \
   amx_pending(a, 0, D, G);                                                                   \
-  st->in[b] = query_pairs(a, r0);                                                            \
+  st->qp[b] = query_pairs(a, r0);                                                            \
   st->out[b] = out;                                                                          \
   st->rf[b] = rf;                                                                            \
   st->n[b] = n;                                                                              \

@@ -61,10 +61,10 @@ HELP = {
                                "where 128 does not divide a layer's input width)",
     "int8_activations": "with --quantization int4 or gguf: multiply the int4 layers (and, "
                         "with AVX512-VNNI, the int8 vocabulary projection) by activations "
-                        "rounded to int8 per 32 "
-                        "columns, with integer dot products (as llama.cpp's Q4 x Q8 and Q8 x "
-                        "Q8): faster small-batch decode on the CPU (AVX512-VNNI or AVX2 "
-                        "loops), adds the activations' rounding (default: off)",
+                        "rounded to int8 per 32 columns, with integer dot products (as "
+                        "llama.cpp's Q4 x Q8 and Q8 x Q8): faster small-batch decode on the "
+                        "CPU (AVX512-VNNI or AVX2 loops), adds the activations' rounding "
+                        "(default: off)",
 }
 POSITIONAL = ("model",)
 # vLLM's short spellings

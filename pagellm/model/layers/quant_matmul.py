@@ -142,10 +142,11 @@ class QuantizedMatmul:
     as it is, K % 8 == 0; params ignored). ``bias`` [N], added in float32 before the
     one rounding to x's dtype.
 
-    ``int8_activations`` (int4, and int8 without zeros whose groups are multiples of 32;
-    settable; takes_int8_activations says whether the integer products apply): multiply x rounded by quantize_activations instead of x: with
-    integer dot products below INTEGER_ROWS rows (int4_a8_matmul, int8_a8_matmul), from
-    there the float loops (and from GEMM_ROWS the float32 GEMM) on the rounded rows."""
+    ``int8_activations`` (settable; it applies where takes_int8_activations: int4, and int8
+    without zeros in groups of a multiple of 32): multiply x rounded by quantize_activations
+    instead of x: with integer dot products below INTEGER_ROWS rows (int4_a8_matmul,
+    int8_a8_matmul), from there the float loops (and from GEMM_ROWS the float32 GEMM) on the
+    rounded rows."""
 
     int8_activations = False
 

@@ -79,7 +79,7 @@ class Int8Weight(nn.Module):
             [scale, zero.to(scale.dtype)], -1)).contiguous())
         self.has_zeros = zero is not None
         # torch's kernel takes one scale per row; ours run group-wise scales wherever built
-        self.compiled = quant_matmul.preferred() or (
+        self.compiled = self._compiled_by_default = quant_matmul.preferred() or (
             scale.dim() == 2 and quant_matmul.available())
         # the compiled product (QuantizedMatmul), which forward runs where ``compiled``
         self.kernel = quant_matmul.QuantizedMatmul("int8_zero" if self.has_zeros else "int8",
@@ -102,13 +102,13 @@ class Int8Weight(nn.Module):
             raise ValueError("int8_activations: the compiled quantized matmul kernels are "
                              f"not built here ({quant_matmul.describe()})")
         self.kernel.int8_activations = bool(on)
-        if on:
-            self.compiled = True  # torch's kernel would take the rounded rows in float32
+        # torch's kernel would take the rounded rows in float32: the compiled ones while on
+        self.compiled = bool(on) or self._compiled_by_default
 
     @property
     def takes_int8_activations(self) -> bool:
         """Whether int8_activations can be set (symmetric, groups a multiple of 32)."""
-        return not self.has_zeros and self.kernel.takes_int8_activations
+        return self.kernel.takes_int8_activations
 
     @property
     def scale(self) -> torch.Tensor:
