@@ -140,10 +140,10 @@ def test_gguf_int4_blocks_map_exactly(type_name):
 
 def test_int8_activations_engine_matches_its_definition(model_zoo):
     """quantization="int4" with int8_activations: the greedy tokens of an engine whose int4
-    projections and int8 vocabulary projection multiply their dequantized weight by the
-    activations as quantize_activations rounds them (float32), over prompts whose prefill takes both the compiled small-row
-    products and the GEMM path (32 rows), and a decode batch of 3. Without int4 the switch is
-    refused."""
+    projections (and, with AVX512-VNNI, int8 vocabulary projection) multiply their
+    dequantized weight by the activations as quantize_activations rounds them (float32), over
+    prompts whose prefill takes both the compiled small-row products and the GEMM path (32
+    rows), and a decode batch of 3. Without int4 the switch is refused."""
     import torch.nn.functional as F
 
     from pagellm import LLM, SamplingParams
