@@ -146,6 +146,92 @@ def test_int8_times_int8_activations_matches_float64_reference(build, x_dtype, p
                                  int8_activations=True)
 
 
+def test_int4_panels_round_trip():
+    """pack_int4_panels' layout: byte 64 c + 4 j + i of block b holds column j's codes at
+    32 b + 4 c + i (low nibble) and 32 b + 16 + 4 c + i (high), parameters 16 columns to a
+    row, the last panel padded with zeros; unpack_int4_panels inverts it."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (21, 64), generator=gen, dtype=torch.uint8)
+    params = torch.randn(21, 2, 2, generator=gen).to(torch.bfloat16)
+    packed, panel_params = quant_matmul.pack_int4_panels(q, params)
+    assert packed.shape == (2, 2, 256) and panel_params.shape == (2, 2, 2, 16)
+    assert packed[1, 1, 64 * 2 + 4 * 3 + 1] == q[19, 32 + 8 + 1] | (q[19, 32 + 16 + 8 + 1] << 4)
+    assert panel_params[1, 0, 1, 3] == params[19, 0, 1]
+    assert not packed[1].view(2, 4, 16, 4)[:, :, 5:].any()  # columns 21-31: padding
+    assert not panel_params[1, :, :, 5:].any()
+    codes, unpacked = quant_matmul.unpack_int4_panels(packed, panel_params, 21)
+    assert torch.equal(codes, q) and torch.equal(unpacked, params)
+    with pytest.raises(ValueError, match="out_features=40 for 2 panels of 16"):
+        quant_matmul.QuantizedMatmul("int4_panels", packed, panel_params, 32, out_features=40)
+
+
+@pytest.mark.parametrize("x_dtype, param_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("group_size, in_features, out_features", [
+    (32, 256, 40), (64, 256, 16), (128, 256, 33), (32, 352, 40), (64, 320, 8), (32, 96, 47)])
+def test_int4_panels_times_int8_activations_match_float64_reference(
+        x_dtype, param_dtype, group_size, in_features, out_features):
+    """The panel kernel (int4_panel_a8_matmul, AVX512-VNNI builds): the float64 product of
+    the activations rounded by quantize_activations with the dequantized weight, for every
+    tile of 1-8 rows and the tiles after it (ROWS), the GEMM path on the panel layout's
+    dequantized slices from GEMM_ROWS rows, with and without a bias. Widths with an odd
+    last block (352, 96: the activations' pair order), groups of one to four blocks, a last
+    panel of 1-15 columns, rows with a block of zeros and with one large value."""
+    if not quant_matmul.has_vnni_loops():
+        pytest.skip("the panel kernel is built for AVX512-VNNI CPUs only")
+    weight, x = inputs(out_features, in_features, x_dtype, max(ROWS), seed=14)
+    x[1, 32:64] = 0
+    x[2, 64:96] = x[2, 64:96] * 1e-3
+    x[2, 70] = 50
+    q, scale, zero = int4_quantize(weight, group_size, param_dtype)
+    params = torch.stack([scale, zero], -1).to(param_dtype).contiguous()
+    p = params.double()
+    deq = ((q.double().view(out_features, -1, group_size) - 8) * p[..., :1] + p[..., 1:]
+           ).view(out_features, in_features)
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(15))
+    packed, panel_params = quant_matmul.pack_int4_panels(q, params)
+    kernel = quant_matmul.QuantizedMatmul("int4_panels", packed, panel_params, group_size,
+                                          bias, out_features=out_features)
+    assert kernel.integer()
+    for rows in ROWS:
+        expected = quant_matmul.quantize_activations(x[:rows]).double() @ deq.T
+        out = kernel(x[:rows], add_bias=False)
+        assert out.dtype == x_dtype
+        check_close(out, expected)
+        check_close(kernel(x[:rows]), expected + bias.double())
+
+
+def test_int4_layer_takes_the_panels_with_int8_activations(monkeypatch):
+    """Where the build has the AVX512-VNNI loops, an int4 layer's codes and parameters move
+    to the panel layout when int8 activations are turned on and back when they are turned
+    off: the same codes and dequantized weight throughout, the products of the rounded
+    activations, prepared calls equal to the layer's, and after turning them off the float
+    loops' products as before, bit for bit."""
+    if not quant_matmul.has_vnni_loops():
+        pytest.skip("the panel layout is used on AVX512-VNNI CPUs only")
+    monkeypatch.setattr(quant_matmul, "preferred", lambda: True)  # from the row layout on
+    weight, x = inputs(50, 128, torch.bfloat16, 20, seed=16)
+    layer = Int4Weight.quantize(weight, 32)
+    codes, deq = layer.codes(), layer.dequantized()
+    before = layer(x)
+    layer.int8_activations = True
+    assert layer.panels and layer.kernel.kind == "int4_panels"
+    assert layer.packed.shape == (4, 4, 256) and layer.scale_and_zero.shape == (4, 4, 2, 16)
+    assert torch.equal(layer.codes(), codes) and torch.equal(layer.dequantized(), deq)
+    for rows in (1, 4, 7, 8, 9, 20):
+        out = layer(x[:rows])
+        check_close(out, quant_matmul.quantize_activations(x[:rows]).double() @ deq.double().T)
+        prepared_out = torch.empty(rows, 50, dtype=torch.bfloat16)
+        workspace = torch.empty(quant_matmul.workspace_floats(rows, 128))
+        layer.kernel.prepared(x[:rows], prepared_out, workspace)()
+        assert torch.equal(prepared_out, out)
+    layer.int8_activations = False
+    assert not layer.panels and layer.kernel.kind == "int4"
+    assert torch.equal(layer.codes(), codes) and torch.equal(layer.dequantized(), deq)
+    assert torch.equal(layer(x), before)
+
+
 def test_quantize_activations_rounds_each_block_of_32_to_int8():
     """Codes in [-127, 127] with the block's largest magnitude at +-127, each value within
     half a step (amax / 254) of the input; a block of zeros stays zero; K must be a multiple

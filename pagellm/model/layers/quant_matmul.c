@@ -40,7 +40,10 @@
  * rounding (up to 1/254 of each block's largest magnitude) for fewer instructions per weight:
  * 32 products in 3 instead of ~12 widening and 4 FMAs. With AVX512-VNNI, eight blocks at a
  * time, two per vpdpbusd (int4_a8_column_vnni; the activation codes are then stored a pair of
- * blocks in the codes' lane order).
+ * blocks in the codes' lane order). int4_panel_a8_matmul, what the layers use with int8
+ * activations on AVX512-VNNI builds, reads the codes in panels of 16 output columns instead
+ * (layout at its definition): one vpdpbusd adds 4 products into each of 16 columns' own lanes,
+ * so a block of 32 columns takes 8 of them for 16 columns and no horizontal sums.
  *
  * x and out are float32 or bfloat16 (x_bf16); bfloat16 x is widened into the caller's
  * workspace (M * K floats, then the group sums of int4 and int8_zero; int4_a8_matmul: the activations' scales,
@@ -1018,6 +1021,145 @@ DEFINE_MATMUL(bf16_matmul, bf16_column, bf16_wide, 0, 0.0f)
   }
 DEFINE_A8_MATMUL(int4_a8_matmul, INT4_A8_COLUMN)
 DEFINE_A8_MATMUL(int8_a8_matmul, INT8_A8_COLUMN)
+
+#ifdef QMM_VNNI
+/* int4 weights in panels of 16 output columns, for int8 activations (int4_panel_a8_matmul):
+ * the codes laid out so that each 32-bit lane of a 512-bit register holds 4 consecutive codes
+ * of one column, 16 columns side by side, and one vpdpbusd with the row's 4 activation codes
+ * broadcast adds 4 products into each column's own lane. A block of 32 columns of x then takes
+ * 8 vpdpbusd for 16 output columns and ends with each column's exact integer sum in its lane:
+ * no horizontal sums, no shuffles, and the float32 work (conversion, activation and weight
+ * scales, zero terms) done for 16 columns at once.
+ *   codes [P = ceil(N / 16), K / 32, 4, 64] uint8 (pack_int4_panels): for panel p, block b and
+ *        chunk c, byte 4 j + i holds column 16 p + j's code at k = 32 b + 4 c + i in its low
+ *        nibble and at k = 32 b + 16 + 4 c + i in its high nibble;
+ *   params [P, K / group_size, 2, 16]: each group's 16 scales, then its 16 zeros.
+ * Columns past N (the last panel's padding) have zero codes and parameters. */
+#define PANEL 16
+#define PANEL_ROWS 8 /* rows per tile: each block's widened codes serve all of them */
+#define PANEL_AHEAD 2048
+
+/* The activation codes of block b's columns 0-15 (*lo) and 16-31 (*hi) in quantize_activations'
+ * pair order: b 0-15, b + 1 0-15, b 16-31, b + 1 16-31 for each pair, a last odd block as it
+ * is. */
+INLINE void block_halves(const int8_t *xq, int64_t b, int64_t blocks, const int8_t **lo,
+                         const int8_t **hi) {
+  if ((blocks & 1) && b == blocks - 1) {
+    *lo = xq + b * 32, *hi = xq + b * 32 + 16;
+  } else if (b & 1) {
+    *lo = xq + (b - 1) * 32 + 16, *hi = xq + (b - 1) * 32 + 48;
+  } else {
+    *lo = xq + b * 32, *hi = xq + b * 32 + 32;
+  }
+}
+
+INLINE __m512 load_params16(const void *p, int64_t i, int dtype) {
+  if (dtype == PARAMS_F32) return _mm512_loadu_ps((const float *)p + i);
+  const __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+  return dtype == PARAMS_F16 ? _mm512_cvtph_ps(half)
+         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+INLINE int32_t code4(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+/* Panel p for rows m0 .. m0 + T: per group, the blocks' integer sums times their activation
+ * scales summed (t), then acc += scale * (t - 8 S) + zero * S with S the group's sum of the
+ * rounded activations (act8's pairs hold -8 S and S). */
+INLINE void int4_panel_tile(const qmm_args *a, const act8 *x, int64_t m0, int T, int64_t p) {
+  const int64_t K = a->in_features, blocks = K / 32, bpg = a->group_size / 32;
+  const int64_t groups = K / a->group_size, N = a->out_features;
+  const uint8_t *codes = (const uint8_t *)a->codes + p * blocks * 256;
+  const int64_t params0 = p * groups * 2 * PANEL;
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  __m512 acc[PANEL_ROWS];
+  for (int r = 0; r < T; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 t[PANEL_ROWS];
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+      const uint8_t *c = codes + b * 256;
+      if (m0 == 0)
+        for (int j = 0; j < 4; j++) __builtin_prefetch(c + PANEL_AHEAD + 64 * j, 0, 1);
+      __m512i lo[4], hi[4];
+      for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * j));
+        lo[j] = _mm512_and_si512(v, nibble);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      for (int r = 0; r < T; r++) {
+        const int8_t *xl, *xh;
+        block_halves(x->q + (m0 + r) * K, b, blocks, &xl, &xh);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+          s0 = _mm512_dpbusd_epi32(s0, lo[j], _mm512_set1_epi32(code4(xl + 4 * j)));
+          s1 = _mm512_dpbusd_epi32(s1, hi[j], _mm512_set1_epi32(code4(xh + 4 * j)));
+        }
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        const __m512 d = _mm512_set1_ps(x->d[(m0 + r) * blocks + b]);
+        t[r] = b == g * bpg ? _mm512_mul_ps(sum, d) : _mm512_fmadd_ps(sum, d, t[r]);
+      }
+    }
+    const __m512 scale = load_params16(a->params, params0 + g * 2 * PANEL, a->params_dtype);
+    const __m512 zero = load_params16(a->params, params0 + (g * 2 + 1) * PANEL,
+                                      a->params_dtype);
+    for (int r = 0; r < T; r++) {
+      const float *pair = x->pairs + ((m0 + r) * groups + g) * 2;
+      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(t[r], _mm512_set1_ps(pair[0])), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(pair[1]), acc[r]);
+    }
+  }
+  const int64_t n0 = p * PANEL, count = N - n0 < PANEL ? N - n0 : PANEL;
+  for (int r = 0; r < T; r++) {
+    float lanes[PANEL];
+    _mm512_storeu_ps(lanes, acc[r]);
+    for (int64_t j = 0; j < count; j++) store(a, m0 + r, n0 + j, lanes[j]);
+  }
+}
+
+/* x [M, K] (M < quant_matmul.GEMM_ROWS) times panel-packed int4 weights, x rounded by
+ * quantize_activations: each panel's codes are read once per tile of PANEL_ROWS rows. */
+void int4_panel_a8_matmul(const qmm_args *a) {
+  const act8 x = quantize_activations(a);
+  const int64_t M = a->rows, panels = (a->out_features + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+  for (int64_t p = 0; p < panels; p++)
+    for (int64_t m0 = 0; m0 < M; m0 += PANEL_ROWS) {
+      switch (M - m0 >= PANEL_ROWS ? PANEL_ROWS : M - m0) { /* constant tiles unroll */
+        case 8: int4_panel_tile(a, &x, m0, 8, p); break;
+        case 7: int4_panel_tile(a, &x, m0, 7, p); break;
+        case 6: int4_panel_tile(a, &x, m0, 6, p); break;
+        case 5: int4_panel_tile(a, &x, m0, 5, p); break;
+        case 4: int4_panel_tile(a, &x, m0, 4, p); break;
+        case 3: int4_panel_tile(a, &x, m0, 3, p); break;
+        case 2: int4_panel_tile(a, &x, m0, 2, p); break;
+        default: int4_panel_tile(a, &x, m0, 1, p); break;
+      }
+    }
+}
+#endif
+
+/* int4_dequantize for the panel layout (int4_panel_a8_matmul's). */
+void int4_panel_dequantize(const qmm_args *a, int64_t row0, int64_t count, float *out) {
+  const int64_t K = a->in_features, gs = a->group_size, groups = K / gs, blocks = K / 32;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+  for (int64_t n = row0; n < row0 + count; n++) {
+    const int64_t p = n / 16, j = n % 16;
+    const uint8_t *q = (const uint8_t *)a->codes + p * blocks * 256 + 4 * j;
+    float *w = out + (n - row0) * K;
+    for (int64_t g = 0; g < groups; g++) {
+      const float scale = param(a->params, (p * groups + g) * 32 + j, a->params_dtype);
+      const float zero = param(a->params, (p * groups + g) * 32 + 16 + j, a->params_dtype);
+      for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+        const int64_t kk = k % 32, half = kk / 16;
+        const uint8_t byte = q[(k / 32) * 256 + ((kk % 16) / 4) * 64 + kk % 4];
+        w[k] = ((float)(half ? byte >> 4 : byte & 0x0f) - 8.0f) * scale + zero;
+      }
+    }
+  }
+}
 
 /* Dequantized rows [row0, row0 + count) of W as float32 [count, K]: the large-batch path,
  * where a float32 GEMM on a cache-sized slice of W beats widening each weight per tile. */

@@ -7,7 +7,9 @@ batch-1 decode is that read. These widen each weight in registers once per tile 
 or 8 in AVX2 builds), with AVX2 + FMA inner loops where the build has them and plain C
 elsewhere. From ``GEMM_ROWS`` rows on (prefill), a product dequantizes a cache-sized slice of
 the weight to float32 at a time and hands it to torch's float32 GEMM, which then beats
-widening per tile.
+widening per tile. With int8 activations on AVX512-VNNI builds, int4 weights are packed in
+panels of 16 output columns (``pack_int4_panels``) for a kernel that sums 16 columns' integer
+products side by side in one register.
 
 Both compute the float32 sums of ``x * w`` with ``w`` dequantized exactly as the layers'
 ``dequantized()`` reference (quantized_linear.py), rounded once to x's dtype. The library is
@@ -61,12 +63,15 @@ class _Library(native.KernelLibrary):
         library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
         if library is not None:
             for name in ("int4_matmul", "int8_matmul", "int8_zero_matmul", "bf16_matmul",
-                         "int4_a8_matmul", "int8_a8_matmul"):
+                         "int4_a8_matmul", "int8_a8_matmul", "int4_panel_a8_matmul"):
+                if not hasattr(library, name):  # int4_panel_a8_matmul: AVX512-VNNI builds
+                    continue
                 getattr(library, name).argtypes = [ctypes.POINTER(_Args)]
                 getattr(library, name).restype = None
             library.round_activations.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
             library.round_activations.restype = None
-            for name in ("int4_dequantize", "int8_dequantize", "int8_zero_dequantize"):
+            for name in ("int4_dequantize", "int8_dequantize", "int8_zero_dequantize",
+                         "int4_panel_dequantize"):
                 getattr(library, name).argtypes = [
                     ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
                 getattr(library, name).restype = None
@@ -124,6 +129,41 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([runs & 0x0F, runs >> 4], 2).reshape(out_features, -1)
 
 
+PANEL = 16  # output columns per panel of pack_int4_panels
+
+
+def pack_int4_panels(codes: torch.Tensor, scale_and_zero: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, K] in [0, 15] and scale_and_zero [N, K / group_size, 2] in the panel layout
+    of int4_panel_a8_matmul (quant_matmul.c): codes [P, K / 32, 256] uint8 with P =
+    ceil(N / 16), where for panel p, block b, chunk c = 0..3 and column j, byte 64 c + 4 j + i
+    holds column 16 p + j's code at k = 32 b + 4 c + i (low nibble) and at 32 b + 16 + 4 c + i
+    (high nibble); params [P, K / group_size, 2, 16] (each group's 16 scales, then its 16
+    zeros). The last panel's missing columns are zero codes and parameters."""
+    out_features, in_features = codes.shape
+    panels = -(-out_features // PANEL)
+    pad = panels * PANEL - out_features
+    q = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    # [P, j, b, half, c, i] -> [P, b, c, j, i, half]
+    q = q.view(panels, PANEL, in_features // 32, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    packed = (q[..., 0] | (q[..., 1] << 4)).reshape(panels, in_features // 32, 256)
+    groups = scale_and_zero.shape[1]
+    params = torch.nn.functional.pad(scale_and_zero, (0, 0, 0, 0, 0, pad))
+    params = params.view(panels, PANEL, groups, 2).permute(0, 2, 3, 1)
+    return packed.contiguous(), params.contiguous()
+
+
+def unpack_int4_panels(packed: torch.Tensor, params: torch.Tensor, out_features: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of pack_int4_panels: codes [N, K] uint8, scale_and_zero [N, K / g, 2]."""
+    panels, blocks = packed.shape[:2]
+    q = packed.view(panels, blocks, 4, PANEL, 4, 1)
+    q = torch.cat([q & 0x0F, q >> 4], -1)  # [P, b, c, j, i, half]
+    q = q.permute(0, 3, 1, 5, 2, 4).reshape(panels * PANEL, blocks * 32)
+    scale_and_zero = params.permute(0, 3, 1, 2).reshape(panels * PANEL, params.shape[1], 2)
+    return q[:out_features].contiguous(), scale_and_zero[:out_features].contiguous()
+
+
 # the kernel's params_dtype codes (quant_matmul.c)
 _PARAMS_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -139,8 +179,9 @@ class QuantizedMatmul:
     ``kind``: "int4" (codes from pack_int4, params [N, K / group_size, 2]), "int8" (codes
     [N, K] int8, params [N] or [N, K / group_size]), "int8_zero" (codes [N, K] int8, params
     [N, K / group_size, 2]: w = q * scale + zero) or "bf16" (codes: a bfloat16 weight [N, K]
-    as it is, K % 8 == 0; params ignored). ``bias`` [N], added in float32 before the
-    one rounding to x's dtype.
+    as it is, K % 8 == 0; params ignored) or "int4_panels" (codes and params from
+    pack_int4_panels, ``out_features`` N given; int8 activations only: it has no float
+    loops). ``bias`` [N], added in float32 before the one rounding to x's dtype.
 
     ``int8_activations`` (settable; it applies where takes_int8_activations: int4, and int8
     without zeros in groups of a multiple of 32): multiply x rounded by quantize_activations
@@ -151,22 +192,34 @@ class QuantizedMatmul:
     int8_activations = False
 
     def __init__(self, kind: str, codes: torch.Tensor, params: torch.Tensor,
-                 group_size: int, bias: torch.Tensor | None = None) -> None:
+                 group_size: int, bias: torch.Tensor | None = None,
+                 out_features: int | None = None) -> None:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kind, self.codes, self.params = kind, codes, params  # keep them alive
-        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (
-            2 if kind == "int4" else 1)
+        if kind == "int4_panels":
+            if out_features is None or not 0 <= codes.shape[0] * PANEL - out_features < PANEL:
+                raise ValueError(f"int4 panels: out_features={out_features} for "
+                                 f"{codes.shape[0]} panels of {PANEL}")
+            self.out_features, self.in_features = out_features, codes.shape[1] * 32
+        else:
+            self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (
+                2 if kind == "int4" else 1)
         params_dtype = _PARAMS_DTYPES.get(params.dtype)
         if params_dtype is None:
             raise ValueError(f"quantized matmul: parameters in "
                              f"{str(params.dtype).removeprefix('torch.')}; float32, bfloat16 "
                              f"or float16")
         # int8_activations' integer products: int4, and symmetric int8 in whole blocks of 32
-        self.takes_int8_activations = kind == "int4" or (
+        self.takes_int8_activations = kind in ("int4", "int4_panels") or (
             kind == "int8" and group_size % 32 == 0 and self.in_features % 32 == 0)
         self.args = _Args(0, codes.data_ptr(), params.data_ptr(), 0, 0, 0, self.out_features,
                           self.in_features, group_size, 0, 1, 0, params_dtype, None)
         self.pointer = ctypes.byref(self.args)
+
+    def integer(self) -> bool:
+        """Whether x is rounded to int8 codes for the product (always for the panels)."""
+        return self.kind == "int4_panels" or (self.int8_activations
+                                               and self.takes_int8_activations)
 
     def __call__(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """``add_bias=False``: without the bias given at construction."""
@@ -179,9 +232,10 @@ class QuantizedMatmul:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         num_rows = rows.shape[0]
-        integer = self.int8_activations and self.takes_int8_activations
+        integer = self.integer()
         args = self.args
-        if integer and num_rows >= INTEGER_ROWS:  # the float loops on the rounded rows
+        if integer and num_rows >= (GEMM_ROWS if self.kind == "int4_panels" else INTEGER_ROWS):
+            # the float loops (or the GEMM) on the rounded rows
             rows, integer = _rounded_rows(library, args, rows), False
         _set_rows(args, rows)
         bias = self.bias if add_bias else None
@@ -208,11 +262,11 @@ class QuantizedMatmul:
         if rows >= GEMM_ROWS:
             raise ValueError(f"prepared: {rows} rows take the GEMM path")
         library = _LIBRARY.load()
-        integer = self.int8_activations and self.takes_int8_activations
+        integer = self.integer()
         args = _Args.from_buffer_copy(self.args)
         _set_rows(args, x)
         args.out, args.workspace, args.bias = out.data_ptr(), workspace.data_ptr(), None
-        if not integer or rows < INTEGER_ROWS:
+        if not integer or rows < INTEGER_ROWS or self.kind == "int4_panels":
             return native.PreparedCall(getattr(library, _kernel(self.kind, integer)), args)
         # as __call__ from INTEGER_ROWS rows: the rows rounded in float32, the float loops
         # into float32, rounded once to x's dtype
@@ -291,7 +345,10 @@ def _set_rows(args: _Args, rows: torch.Tensor) -> None:
 
 
 def _kernel(kind: str, integer: bool) -> str:
-    """The product's C function by kind: {kind}_a8_matmul for int8 activations."""
+    """The product's C function by kind: {kind}_a8_matmul for int8 activations
+    (int4_panel_a8_matmul for the panels, which have no other)."""
+    if kind == "int4_panels":
+        return "int4_panel_a8_matmul"
     return f"{kind}_a8_matmul" if integer else f"{kind}_matmul"
 
 
@@ -312,7 +369,8 @@ def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor,
         return sliced_float32_gemm(rows, args.out_features,
                                    lambda start, count: codes[start:start + count].float(), bias)
     workspace = _LIBRARY.scratch(_slice_rows(in_features) * in_features)
-    dequantize = getattr(library, f"{kind}_dequantize")
+    dequantize = getattr(library, "int4_panel_dequantize" if kind == "int4_panels"
+                         else f"{kind}_dequantize")
 
     def dequantized(start: int, count: int) -> torch.Tensor:
         # into the shared workspace through its pointer (it may be an inference tensor)

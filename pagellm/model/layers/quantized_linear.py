@@ -160,7 +160,9 @@ class Int4Weight(nn.Module):
 
     ``packed`` is quant_matmul.pack_int4's [N, K / 2] layout where the compiled kernels run,
     else torch's int4pack (with the parameters also held in its [K / group_size, N, 2]
-    layout)."""
+    layout). With int8 activations on a build with the AVX512-VNNI loops, both are in
+    quant_matmul.pack_int4_panels' layout instead (``panels``; scales_and_zeros() gives the
+    [N, K / group_size, 2] view)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                  group_size: int, dtype: torch.dtype) -> None:
@@ -173,6 +175,7 @@ class Int4Weight(nn.Module):
                              .contiguous())  # [N, K / g, 2]
         self.compiled = quant_matmul.preferred()
         self._int8_activations = False
+        self.panels = False
         self._q = None  # the codes as given, kept by the torch layout (dequantized, codes)
         if self.compiled:
             self._pack_compiled(q)
@@ -213,15 +216,32 @@ class Int4Weight(nn.Module):
             del self.torch_scale_and_zero
             self._q = None
             self.compiled = True
+        elif self.compiled and self.panels != self._wants_panels():
+            self._pack_compiled(self.codes())  # into the layout of the kernel that runs it
         if self.compiled:
             self.kernel.int8_activations = self._int8_activations
 
+    def _wants_panels(self) -> bool:
+        """Whether the compiled codes go in the panel layout: int8 activations where the
+        build has the AVX512-VNNI loops (int4_panel_a8_matmul, 2.5-3.5x faster than the
+        row layout's integer loops on an AMX Xeon, docs/BENCHMARKS.md)."""
+        return self._int8_activations and quant_matmul.has_vnni_loops()
+
     def _pack_compiled(self, q: torch.Tensor) -> None:
-        """The codes in quant_matmul.pack_int4's layout, and the compiled product
-        (QuantizedMatmul) that forward runs."""
-        self.register_buffer("packed", quant_matmul.pack_int4(q))
-        self.kernel = quant_matmul.QuantizedMatmul("int4", self.packed, self.scale_and_zero,
-                                                    self.group_size)
+        """The codes (and parameters) in the compiled kernels' layout, pack_int4's or, where
+        _wants_panels(), pack_int4_panels', and the compiled product (QuantizedMatmul) that
+        forward runs."""
+        scale_and_zero = self.scales_and_zeros()
+        self.panels = self._wants_panels()
+        if self.panels:
+            packed, scale_and_zero = quant_matmul.pack_int4_panels(q, scale_and_zero)
+        else:
+            packed = quant_matmul.pack_int4(q)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_and_zero", scale_and_zero)
+        self.kernel = quant_matmul.QuantizedMatmul(
+            "int4_panels" if self.panels else "int4", self.packed, self.scale_and_zero,
+            self.group_size, out_features=q.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compiled:
@@ -245,13 +265,24 @@ class Int4Weight(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """[N, K] uint8 in [0, 15]."""
+        if self.panels:
+            return quant_matmul.unpack_int4_panels(self.packed, self.scale_and_zero,
+                                                   self.kernel.out_features)[0]
         return quant_matmul.unpack_int4(self.packed) if self.compiled else self._q
+
+    def scales_and_zeros(self) -> torch.Tensor:
+        """[N, K / group_size, 2] (scale, zero), as stored (the panels' parameters
+        rearranged)."""
+        if self.panels:
+            return quant_matmul.unpack_int4_panels(self.packed, self.scale_and_zero,
+                                                   self.kernel.out_features)[1]
+        return self.scale_and_zero
 
     def dequantized(self) -> torch.Tensor:
         """[N, K] float32 from the codes and the stored (rounded) scales and zeros."""
         q = self.codes().float()
         out_features, in_features = q.shape
-        sz = self.scale_and_zero.float()  # [N, K / g, 2]
+        sz = self.scales_and_zeros().float()  # [N, K / g, 2]
         q = q.view(out_features, -1, self.group_size)
         return ((q - 8) * sz[..., :1] + sz[..., 1:]).view(out_features, in_features)
 
