@@ -171,11 +171,11 @@ def test_int4_panels_round_trip():
 @pytest.mark.parametrize("group_size, in_features, out_features", [
     (32, 256, 40), (64, 256, 16), (128, 256, 33), (32, 352, 40), (64, 320, 8), (32, 96, 47)])
 def test_int4_panels_times_int8_activations_match_float64_reference(
-        x_dtype, param_dtype, group_size, in_features, out_features):
+        x_dtype, param_dtype, group_size, in_features, out_features, monkeypatch):
     """The panel kernel (int4_panel_a8_matmul, AVX512-VNNI builds): the float64 product of
     the activations rounded by quantize_activations with the dequantized weight, for every
-    tile of 1-8 rows and the tiles after it (ROWS), the GEMM path on the panel layout's
-    dequantized slices from GEMM_ROWS rows, with and without a bias. Widths with an odd
+    tile of 1-8 rows and the tiles after it (ROWS), with and without a bias, and for the
+    most rows in calls of 3 rows (PANEL_CHUNK_ROWS, a last call of fewer). Widths with an odd
     last block (352, 96: the activations' pair order), groups of one to four blocks, a last
     panel of 1-15 columns, rows with a block of zeros and with one large value."""
     if not quant_matmul.has_vnni_loops():
@@ -200,6 +200,10 @@ def test_int4_panels_times_int8_activations_match_float64_reference(
         assert out.dtype == x_dtype
         check_close(out, expected)
         check_close(kernel(x[:rows]), expected + bias.double())
+    monkeypatch.setattr(quant_matmul, "PANEL_CHUNK_ROWS", 3)
+    assert max(ROWS) % 3
+    check_close(kernel(x), quant_matmul.quantize_activations(x).double() @ deq.T
+                + bias.double())
 
 
 def test_int4_layer_takes_the_panels_with_int8_activations(monkeypatch):

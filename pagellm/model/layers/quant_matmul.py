@@ -39,6 +39,9 @@ _SLICE_FLOATS = 1 << 18  # ~1 MB of dequantized float32 weight per GEMM call
 # widen each code once for a tile of 8 rows, were as fast on the AVX2 EPYC (at 8 rows: 34.7 ms
 # against 37.9 for SmolLM2's 120 projections; at 4 rows the integer kernel 18.5 against 19.5)
 INTEGER_ROWS = 8
+# the int4 panels have no GEMM path (their kernel was faster at 16-1024 rows, see
+# int4_panel_a8_matmul); a product of more rows runs in calls of this many
+PANEL_CHUNK_ROWS = 256
 
 
 class _Args(ctypes.Structure):
@@ -70,8 +73,7 @@ class _Library(native.KernelLibrary):
                 getattr(library, name).restype = None
             library.round_activations.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
             library.round_activations.restype = None
-            for name in ("int4_dequantize", "int8_dequantize", "int8_zero_dequantize",
-                         "int4_panel_dequantize"):
+            for name in ("int4_dequantize", "int8_dequantize", "int8_zero_dequantize"):
                 getattr(library, name).argtypes = [
                     ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
                 getattr(library, name).restype = None
@@ -181,7 +183,8 @@ class QuantizedMatmul:
     [N, K / group_size, 2]: w = q * scale + zero) or "bf16" (codes: a bfloat16 weight [N, K]
     as it is, K % 8 == 0; params ignored) or "int4_panels" (codes and params from
     pack_int4_panels, ``out_features`` N given; int8 activations only: it has no float
-    loops). ``bias`` [N], added in float32 before the one rounding to x's dtype.
+    loops and no GEMM path, any number of rows runs its kernel, PANEL_CHUNK_ROWS at a
+    time). ``bias`` [N], added in float32 before the one rounding to x's dtype.
 
     ``int8_activations`` (settable; it applies where takes_int8_activations: int4, and int8
     without zeros in groups of a multiple of 32): multiply x rounded by quantize_activations
@@ -234,11 +237,14 @@ class QuantizedMatmul:
         num_rows = rows.shape[0]
         integer = self.integer()
         args = self.args
-        if integer and num_rows >= (GEMM_ROWS if self.kind == "int4_panels" else INTEGER_ROWS):
+        bias = self.bias if add_bias else None
+        if self.kind == "int4_panels":
+            out = self._panel_rows(library, rows, bias)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+        if integer and num_rows >= INTEGER_ROWS:
             # the float loops (or the GEMM) on the rounded rows
             rows, integer = _rounded_rows(library, args, rows), False
         _set_rows(args, rows)
-        bias = self.bias if add_bias else None
         args.bias = None if bias is None else bias.data_ptr()
         if num_rows >= GEMM_ROWS:
             out = _gemm(library, self.kind, args, rows, self.codes, bias)
@@ -250,6 +256,21 @@ class QuantizedMatmul:
             getattr(library, _kernel(self.kind, integer))(self.pointer)
         out = out.to(x.dtype)  # rounded rows: float32, rounded once here
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def _panel_rows(self, library: ctypes.CDLL, rows: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """The panels' product, PANEL_CHUNK_ROWS rows per call (bounding the workspace)."""
+        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
+        args = self.args
+        args.bias = None if bias is None else bias.data_ptr()
+        for start in range(0, rows.shape[0], PANEL_CHUNK_ROWS):
+            chunk = rows[start:start + PANEL_CHUNK_ROWS]
+            _set_rows(args, chunk)
+            args.out = out[start:start + PANEL_CHUNK_ROWS].data_ptr()
+            args.workspace = _LIBRARY.scratch(workspace_floats(chunk.shape[0],
+                                                               self.in_features)).data_ptr()
+            library.int4_panel_a8_matmul(self.pointer)
+        return out
 
     def prepared(self, x: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor
                  ) -> Callable[[], None]:
@@ -369,8 +390,7 @@ def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor,
         return sliced_float32_gemm(rows, args.out_features,
                                    lambda start, count: codes[start:start + count].float(), bias)
     workspace = _LIBRARY.scratch(_slice_rows(in_features) * in_features)
-    dequantize = getattr(library, "int4_panel_dequantize" if kind == "int4_panels"
-                         else f"{kind}_dequantize")
+    dequantize = getattr(library, f"{kind}_dequantize")
 
     def dequantized(start: int, count: int) -> torch.Tensor:
         # into the shared workspace through its pointer (it may be an inference tensor)
