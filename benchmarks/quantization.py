@@ -35,9 +35,11 @@
   with int8_activations, "int4_a8") on the "small" model and the real GGUF model (--new-tokens,
   default 48, after a 16-token prompt).
 - ``matmul``: one projection of SmolLM2's shapes (bfloat16 activations, int4 groups of 32) at
-  1, 4, 8, 16 and 64 rows: pagellm's compiled int4 (with and without int8_activations) and
-  int8 products beside torch's weight-only kernels and the engine's bfloat16 projection
-  (packed for oneDNN, or its float32 route), interleaved, the fastest of --iters rounds.
+  1, 4, 8, 16 and 64 rows: pagellm's compiled int4 (with and without int8_activations; and,
+  on AVX512-VNNI builds, in panels of 16 columns, the layout int4 layers take there with
+  int8_activations) and int8 products beside torch's weight-only kernels and the engine's
+  bfloat16 projection (packed for oneDNN, or its float32 route), interleaved, the fastest of
+  --iters rounds.
 - ``crossover``: one decoder layer's projections (SmolLM2's and the "small" model's shapes),
   bfloat16, int4 and int8 weights, at 8-64 rows through the compiled row kernels and through the
   float32 GEMM on converted slices, each forced: where ``quant_matmul.GEMM_ROWS`` should be.
@@ -410,6 +412,11 @@ def matmul(rounds: int) -> dict:
         ours4 = quant_matmul.QuantizedMatmul("int4", packed, params, 32)
         ours4_a8 = quant_matmul.QuantizedMatmul("int4", packed, params, 32)
         ours4_a8.int8_activations = True
+        panels = None
+        if quant_matmul.has_vnni_loops():  # the layout int4 layers take with int8 activations
+            panels = quant_matmul.QuantizedMatmul(
+                "int4_panels", *quant_matmul.pack_int4_panels(q4, params), 32,
+                out_features=out_features)
         torch4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.int().contiguous(), 1)
         torch4_params = params.transpose(0, 1).contiguous()
         q8, scale8 = int8_quantize(weight, torch.bfloat16)
@@ -422,6 +429,7 @@ def matmul(rounds: int) -> dict:
             variants = {
                 "pagellm_int4": lambda: ours4(x),
                 "pagellm_int4_int8_activations": lambda: ours4_a8(x),
+                **({"pagellm_int4_panels": lambda: panels(x)} if panels else {}),
                 "torch_int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x, torch4, 32, torch4_params),
                 "pagellm_int8": lambda: ours8(x),
