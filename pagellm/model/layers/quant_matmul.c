@@ -1121,8 +1121,8 @@ INLINE void int4_panel_tile(const qmm_args *a, const act8 *x, int64_t m0, int T,
 
 /* x [M, K] times panel-packed int4 weights, x rounded by quantize_activations: each panel's
  * codes are read once per tile of PANEL_ROWS rows. No GEMM path: at 16 to 1024 rows this was
- * 1.3-2.3x faster than dequantized slices and torch's float32 GEMM on an AMX Xeon (1 and 2
- * threads, docs/BENCHMARKS.md). */
+ * faster than dequantized slices through torch's float32 GEMM, and than the row layout's GEMM
+ * path, on an AMX Xeon (1 and 2 threads, docs/BENCHMARKS.md "int4 in panels of 16 columns"). */
 void int4_panel_a8_matmul(const qmm_args *a) {
   const act8 x = quantize_activations(a);
   const int64_t M = a->rows, panels = (a->out_features + PANEL - 1) / PANEL;

@@ -223,7 +223,7 @@ class Int4Weight(nn.Module):
 
     def _wants_panels(self) -> bool:
         """Whether the compiled codes go in the panel layout: int8 activations where the
-        build has the AVX512-VNNI loops (int4_panel_a8_matmul, 2.5-3.5x faster than the
+        build has the AVX512-VNNI loops (int4_panel_a8_matmul, 1.7-3.5x faster than the
         row layout's integer loops on an AMX Xeon, docs/BENCHMARKS.md)."""
         return self._int8_activations and quant_matmul.has_vnni_loops()
 
