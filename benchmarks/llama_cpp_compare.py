@@ -26,7 +26,14 @@ excluded.
   context has llama.cpp's own defaults: a KV cache of one stream per sequence
   (``kv_unified=false``) and flash attention ``auto`` (on for the CPU);
   ``--llama-cpp-kv unified --llama-cpp-flash-attn off`` is what llama-cpp-python's ``Llama``
-  sets (one buffer for all sequences, no flash attention).
+  sets (one buffer for all sequences, no flash attention). ``--llama-cpp-prompt tokens`` feeds
+  the prompt one token per ``llama_decode`` instead of in one call (batch 1 only, and without
+  the high-level check below: for builds that fail on batches of several tokens, as the native
+  build with llama.cpp's AMX backend does on the Intel Xeon of docs/BENCHMARKS.md: its
+  ``ggml_tile_config_init`` (ggml-cpu/amx/mmq.cpp of 0.3.36) fills the tile configuration on the
+  stack, where the compiler drops the stores, and loads it once per thread, so any other AMX
+  user in the process leaves it stale; both end in SIGILL at the first tile instruction. With
+  those two fixed in the vendored source, the build runs batches, see docs/BENCHMARKS.md).
 
 The two alternate ``--repeats`` times per batch size and each keeps its fastest run (the machine
 may be shared). As a check of the batched C API use, every llama.cpp batched run's greedy tokens
@@ -88,13 +95,13 @@ class LlamaCpp:
     """llama.cpp through its C API: B sequences in one ``llama_batch`` per step."""
 
     def __init__(self, path: str, max_batch: int, new_tokens: int, threads: int,
-                 kv: str, flash_attn: str) -> None:
+                 kv: str, flash_attn: str, prompt_by_token: bool = False) -> None:
         import llama_cpp as lc
         from llama_cpp._logger import set_verbose
 
         set_verbose(False)
         lc.llama_backend_init()
-        self.lc, self.new_tokens = lc, new_tokens
+        self.lc, self.new_tokens, self.prompt_by_token = lc, new_tokens, prompt_by_token
         mparams = lc.llama_model_default_params()
         self.model = lc.llama_model_load_from_file(path.encode(), mparams)
         if not self.model:
@@ -142,11 +149,17 @@ class LlamaCpp:
         lc = self.lc
         prompts = prompts or [prompt(i) for i in range(batch)]
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
-        self._decode([(tok, pos, seq, pos == len(p) - 1)
-                      for seq, p in enumerate(prompts) for pos, tok in enumerate(p)])
-        # llama_get_logits_ith takes the batch index of a token that asked for logits: here each
-        # sequence's last prompt token.
-        last = [sum(len(p) for p in prompts[:seq + 1]) - 1 for seq in range(batch)]
+        entries = [(tok, pos, seq, pos == len(p) - 1)
+                   for seq, p in enumerate(prompts) for pos, tok in enumerate(p)]
+        if self.prompt_by_token:  # batch 1: the last call holds the last prompt token alone
+            for entry in entries:
+                self._decode([entry])
+            last = [0]
+        else:
+            self._decode(entries)
+            # llama_get_logits_ith takes the batch index of a token that asked for logits:
+            # here each sequence's last prompt token.
+            last = [sum(len(p) for p in prompts[:seq + 1]) - 1 for seq in range(batch)]
         tokens = [[self._argmax(last[seq])] for seq in range(batch)]
         start = time.perf_counter()
         for step in range(1, self.new_tokens):
@@ -213,6 +226,10 @@ def main() -> None:
     parser.add_argument("--llama-cpp-flash-attn", choices=("auto", "on", "off"), default="auto",
                         help="llama.cpp's flash attention (auto: llama.cpp's default; off: "
                         "llama-cpp-python's Llama)")
+    parser.add_argument("--llama-cpp-prompt", choices=("batch", "tokens"), default="batch",
+                        help="llama.cpp's prompt in one llama_decode (batch) or one token per "
+                        "call (tokens: batch 1 only, no high-level check; for builds that "
+                        "fail on batches of several tokens)")
     parser.add_argument("--llama-cpp-path", default=None,
                         help="a site-packages folder holding llama_cpp")
     parser.add_argument("--int8-activations", choices=("off", "on", "both"), default="both",
@@ -232,6 +249,10 @@ def main() -> None:
     if args.new_tokens < 2 or args.repeats < 1:
         raise SystemExit(f"--new-tokens={args.new_tokens} must be at least 2 and "
                          f"--repeats={args.repeats} at least 1")
+    by_token = args.llama_cpp_prompt == "tokens"
+    if by_token and batch_sizes != [1]:
+        raise SystemExit(f"--llama-cpp-prompt tokens runs batch 1 only, not "
+                         f"--batch-sizes={args.batch_sizes}")
     if args.llama_cpp_path:
         sys.path.append(args.llama_cpp_path)
     import torch
@@ -253,11 +274,11 @@ def main() -> None:
     pagellms = {name: Pagellm(path, max_batch, args.new_tokens, a8, args.enforce_eager)
                 for name, a8 in engines.items()}
     llama = LlamaCpp(path, max_batch, args.new_tokens, args.threads, args.llama_cpp_kv,
-                     args.llama_cpp_flash_attn)
+                     args.llama_cpp_flash_attn, by_token)
 
     # The check: llama.cpp's batch-1 tokens for every prompt, and the high-level API's for prompt 0.
     single = [llama.run(1, [prompt(i)])[1][0] for i in range(max_batch)]
-    reference = high_level_tokens(path, args.new_tokens, args.threads)
+    reference = None if by_token else high_level_tokens(path, args.new_tokens, args.threads)
 
     runs: dict[int, dict[str, list[float]]] = {}
     checks: dict[int, dict[str, object]] = {}
@@ -301,7 +322,8 @@ def main() -> None:
         "model": path, "new_tokens": args.new_tokens, "prompt_tokens": PROMPT_LEN,
         "threads": args.threads, "repeats": args.repeats, "machine": machine,
         "llama_cpp_python": llama_cpp.__version__,
-        "llama_cpp": {"kv": args.llama_cpp_kv, "flash_attn": args.llama_cpp_flash_attn},
+        "llama_cpp": {"kv": args.llama_cpp_kv, "flash_attn": args.llama_cpp_flash_attn,
+                      "prompt": args.llama_cpp_prompt},
         "pagellm_enforce_eager": args.enforce_eager,
         "decode_tokens_per_s": {str(b): best[b] for b in batch_sizes},
         **{f"{name}_vs_llama_cpp": {str(b): round(best[b][name] / best[b]["llama_cpp_q4_1"], 3)
@@ -311,7 +333,7 @@ def main() -> None:
                      for b, r in runs.items()},
         "llama_cpp_system_info": llama_cpp.llama_print_system_info().decode().strip(),
         "check": {"llama_cpp_batch1_vs_high_level_llama_leading_tokens_equal":
-                  agreement(single[0], reference),
+                  None if reference is None else agreement(single[0], reference),
                   **{f"batch_{b}": c for b, c in checks.items()}},
     }, indent=1))
 
