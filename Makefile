@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q --durations=15 -m "not slow and not gpu"
 
 demo: $(STAMP)
 	$(PY) -m pagellm demo $(DEMO_ARGS)

@@ -206,6 +206,68 @@ def test_int4_panels_times_int8_activations_match_float64_reference(
                 + bias.double())
 
 
+def test_int8_panels_layout():
+    """pack_int8_panels' layout: byte 64 c + 4 j + i of block b holds column j's code at
+    k = 32 b + 4 c + i plus 128, scales [panel, group, column]; the last panel padded with
+    zero codes (128) and zero scales."""
+    q = torch.randint(-127, 128, (21, 64), dtype=torch.int8,
+                      generator=torch.Generator().manual_seed(30))
+    scale = torch.rand(21, 2, generator=torch.Generator().manual_seed(31)).bfloat16()
+    packed, scales = quant_matmul.pack_int8_panels(q, scale)
+    assert packed.shape == (2, 2, 512) and scales.shape == (2, 2, 16)
+    assert packed.dtype == torch.uint8 and scales.dtype == torch.bfloat16
+    for n, k in ((0, 0), (5, 37), (17, 63), (20, 30)):
+        p, j, b, c, i = n // 16, n % 16, k // 32, k % 32 // 4, k % 4
+        assert int(packed[p, b, 64 * c + 4 * j + i]) == int(q[n, k]) + 128
+    assert scales[1, 1, 4] == scale[20, 1]
+    assert (packed[1, :, :].view(2, 8, 16, 4)[:, :, 5:] == 128).all()
+    assert not scales[1, :, 5:].any()
+    _, row_scales = quant_matmul.pack_int8_panels(q, scale[:, 0].contiguous())
+    assert row_scales.shape == (2, 1, 16) and row_scales[1, 0, 3] == scale[19, 0]
+
+
+@pytest.mark.parametrize("group_size, in_features, out_features", [
+    (32, 256, 47), (64, 256, 16), (352, 352, 33), (32, 96, 1)])
+def test_int8_panels_times_int8_activations_match_float64_reference(
+        group_size, in_features, out_features, monkeypatch):
+    """Symmetric int8 with int8 activations on AVX512-VNNI builds runs in panels
+    (int8_panel_a8_matmul) at every row count, the GEMM's included: the float64 product of
+    the rounded activations with the dequantized weight, with a bias, codes of +-127, in calls
+    of 3 rows (PANEL_CHUNK_ROWS) and as the decode plan's prepared call."""
+    if not quant_matmul.has_vnni_loops():
+        pytest.skip("the panel kernel is built for AVX512-VNNI CPUs only")
+    weight, x = inputs(out_features, in_features, torch.bfloat16, max(ROWS), seed=32)
+    x[1, 32:64] = 0
+    x[2, 70] = 50
+    groups = in_features // group_size
+    scale = ((torch.rand(out_features, groups, generator=torch.Generator().manual_seed(33))
+              + 0.5) / 100).bfloat16()
+    q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
+                      generator=torch.Generator().manual_seed(34))
+    q[0, :64] = 127
+    q[-1, :32] = -127
+    params = scale[:, 0].contiguous() if groups == 1 else scale
+    deq = (q.double().view(out_features, groups, -1) * scale.double()[..., None]).view(
+        out_features, in_features)
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(35))
+    kernel = quant_matmul.QuantizedMatmul("int8", q, params, group_size, bias)
+    kernel.int8_activations = True
+    for rows in ROWS:
+        expected = quant_matmul.quantize_activations(x[:rows]).double() @ deq.T
+        check_close(kernel(x[:rows], add_bias=False), expected)
+        check_close(kernel(x[:rows]), expected + bias.double())
+    assert kernel._panels is not None
+    out = torch.empty(5, out_features, dtype=torch.bfloat16)
+    workspace = torch.empty(quant_matmul.workspace_floats(5, in_features))
+    kernel.prepared(x[:5], out, workspace)()
+    check_close(out, quant_matmul.quantize_activations(x[:5]).double() @ deq.T)
+    monkeypatch.setattr(quant_matmul, "PANEL_CHUNK_ROWS", 3)
+    check_close(kernel(x), quant_matmul.quantize_activations(x).double() @ deq.T
+                + bias.double())
+    kernel.int8_activations = False  # the float loops on x itself again
+    check_close(kernel(x[:4], add_bias=False), x[:4].double() @ deq.T)
+
+
 def test_int4_layer_takes_the_panels_with_int8_activations(monkeypatch):
     """Where the build has the AVX512-VNNI loops, an int4 layer's codes and parameters move
     to the panel layout when int8 activations are turned on and back when they are turned

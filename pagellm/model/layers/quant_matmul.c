@@ -1141,6 +1141,73 @@ void int4_panel_a8_matmul(const qmm_args *a) {
       }
     }
 }
+
+/* Symmetric int8 weights in panels of 16 output columns (int8_panel_a8_matmul), groups of a
+ * multiple of 32 or one scale per row, as int8_a8_column_vnni but laid out as the int4 panels:
+ *   codes [P = ceil(N / 16), K / 32, 8, 64] uint8 (pack_int8_panels): for panel p, block b
+ *        and chunk c, byte 4 j + i holds column 16 p + j's code at k = 32 b + 4 c + i, plus
+ *        128 (unsigned for vpdpbusd; 128 times the block's sum of activation codes comes off
+ *        the int32 sums, exactly);
+ *   params [P, K / group_size, 16]: each group's 16 scales. */
+INLINE void int8_panel_tile(const qmm_args *a, const act8 *x, int64_t m0, int T, int64_t p) {
+  const int64_t K = a->in_features, blocks = K / 32, bpg = a->group_size / 32;
+  const int64_t groups = K / a->group_size, N = a->out_features;
+  const uint8_t *codes = (const uint8_t *)a->codes + p * blocks * 512;
+  __m512 acc[PANEL_ROWS];
+  for (int r = 0; r < T; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 t[PANEL_ROWS];
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
+      const uint8_t *c = codes + b * 512;
+      if (m0 == 0)
+        for (int j = 0; j < 8; j++) __builtin_prefetch(c + 2 * PANEL_AHEAD + 64 * j, 0, 1);
+      __m512i w[8];
+      for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(c + 64 * j));
+      for (int r = 0; r < T; r++) {
+        const int8_t *xl, *xh;
+        block_halves(x->q + (m0 + r) * K, b, blocks, &xl, &xh);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+          s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(code4(xl + 4 * j)));
+          s1 = _mm512_dpbusd_epi32(s1, w[4 + j], _mm512_set1_epi32(code4(xh + 4 * j)));
+        }
+        const __m512i offset = _mm512_set1_epi32(128 * x->s[(m0 + r) * blocks + b]);
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s0, s1),
+                                                               offset));
+        const __m512 d = _mm512_set1_ps(x->d[(m0 + r) * blocks + b]);
+        t[r] = b == g * bpg ? _mm512_mul_ps(sum, d) : _mm512_fmadd_ps(sum, d, t[r]);
+      }
+    }
+    const __m512 scale = load_params16(a->params, (p * groups + g) * PANEL, a->params_dtype);
+    for (int r = 0; r < T; r++) acc[r] = _mm512_fmadd_ps(t[r], scale, acc[r]);
+  }
+  const int64_t n0 = p * PANEL, count = N - n0 < PANEL ? N - n0 : PANEL;
+  for (int r = 0; r < T; r++) {
+    float lanes[PANEL];
+    _mm512_storeu_ps(lanes, acc[r]);
+    for (int64_t j = 0; j < count; j++) store(a, m0 + r, n0 + j, lanes[j]);
+  }
+}
+
+/* x [M, K] times panel-packed symmetric int8 weights, x rounded by quantize_activations. */
+void int8_panel_a8_matmul(const qmm_args *a) {
+  const act8 x = quantize_activations(a);
+  const int64_t M = a->rows, panels = (a->out_features + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+  for (int64_t p = 0; p < panels; p++)
+    for (int64_t m0 = 0; m0 < M; m0 += PANEL_ROWS) {
+      switch (M - m0 >= PANEL_ROWS ? PANEL_ROWS : M - m0) { /* constant tiles unroll */
+        case 8: int8_panel_tile(a, &x, m0, 8, p); break;
+        case 7: int8_panel_tile(a, &x, m0, 7, p); break;
+        case 6: int8_panel_tile(a, &x, m0, 6, p); break;
+        case 5: int8_panel_tile(a, &x, m0, 5, p); break;
+        case 4: int8_panel_tile(a, &x, m0, 4, p); break;
+        case 3: int8_panel_tile(a, &x, m0, 3, p); break;
+        case 2: int8_panel_tile(a, &x, m0, 2, p); break;
+        default: int8_panel_tile(a, &x, m0, 1, p); break;
+      }
+    }
+}
 #endif
 
 /* Dequantized rows [row0, row0 + count) of W as float32 [count, K]: the large-batch path,
