@@ -66,6 +66,22 @@ def inputs(out_features, in_features, dtype, rows, seed=0):
     return weight, x
 
 
+def int4_case(out_features, in_features, x_dtype, param_dtype, group_size, seed):
+    """Activations (a row with a block of zeros, one with a block of one large value among
+    small ones), int4 codes and (scale, zero) parameters of a random weight, and the
+    dequantized weight in float64."""
+    weight, x = inputs(out_features, in_features, x_dtype, max(ROWS), seed=seed)
+    x[1, 32:64] = 0
+    x[2, 64:96] = x[2, 64:96] * 1e-3
+    x[2, 70] = 50
+    q, scale, zero = int4_quantize(weight, group_size, param_dtype)
+    params = torch.stack([scale, zero], -1).to(param_dtype).contiguous()
+    p = params.double()
+    deq = ((q.double().view(out_features, -1, group_size) - 8) * p[..., :1] + p[..., 1:]
+           ).view(out_features, in_features)
+    return x, q, params, deq
+
+
 @pytest.mark.parametrize("x_dtype, param_dtype", [
     (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)])
@@ -97,15 +113,7 @@ def test_int4_times_int8_activations_matches_float64_reference(build, x_dtype, p
     a block of zeros and with a block of one large value among small ones. The widths give
     the VNNI loop's eight blocks at a time, then a pair, then one (352 = 11 blocks of 32),
     and fewer than eight blocks (96)."""
-    weight, x = inputs(40, in_features, x_dtype, max(ROWS), seed=4)
-    x[1, 32:64] = 0
-    x[2, 64:96] = x[2, 64:96] * 1e-3
-    x[2, 70] = 50
-    q, scale, zero = int4_quantize(weight, group_size, param_dtype)
-    params = torch.stack([scale, zero], -1).to(param_dtype).contiguous()
-    p = params.double()
-    deq = ((q.double().view(40, -1, group_size) - 8) * p[..., :1] + p[..., 1:]).view(
-        40, in_features)
+    x, q, params, deq = int4_case(40, in_features, x_dtype, param_dtype, group_size, 4)
     packed = quant_matmul.pack_int4(q)
     for rows in ROWS:
         out = quant_matmul.int4_matmul(x[:rows], packed, params, group_size,
@@ -180,15 +188,8 @@ def test_int4_panels_times_int8_activations_match_float64_reference(
     panel of 1-15 columns, rows with a block of zeros and with one large value."""
     if not quant_matmul.has_vnni_loops():
         pytest.skip("the panel kernel is built for AVX512-VNNI CPUs only")
-    weight, x = inputs(out_features, in_features, x_dtype, max(ROWS), seed=14)
-    x[1, 32:64] = 0
-    x[2, 64:96] = x[2, 64:96] * 1e-3
-    x[2, 70] = 50
-    q, scale, zero = int4_quantize(weight, group_size, param_dtype)
-    params = torch.stack([scale, zero], -1).to(param_dtype).contiguous()
-    p = params.double()
-    deq = ((q.double().view(out_features, -1, group_size) - 8) * p[..., :1] + p[..., 1:]
-           ).view(out_features, in_features)
+    x, q, params, deq = int4_case(out_features, in_features, x_dtype, param_dtype,
+                                  group_size, 14)
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(15))
     packed, panel_params = quant_matmul.pack_int4_panels(q, params)
     kernel = quant_matmul.QuantizedMatmul("int4_panels", packed, panel_params, group_size,

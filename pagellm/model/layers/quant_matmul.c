@@ -1066,12 +1066,22 @@ INLINE int32_t code4(const int8_t *p) {
   return v;
 }
 
+/* Rows m0 .. m0 + T of panel p's columns (those below N) from their lanes. */
+INLINE void store_panel(const qmm_args *a, const __m512 *acc, int64_t m0, int T, int64_t p) {
+  const int64_t n0 = p * PANEL, N = a->out_features, count = N - n0 < PANEL ? N - n0 : PANEL;
+  for (int r = 0; r < T; r++) {
+    float lanes[PANEL];
+    _mm512_storeu_ps(lanes, acc[r]);
+    for (int64_t j = 0; j < count; j++) store(a, m0 + r, n0 + j, lanes[j]);
+  }
+}
+
 /* Panel p for rows m0 .. m0 + T: per group, the blocks' integer sums times their activation
  * scales summed (t), then acc += scale * (t - 8 S) + zero * S with S the group's sum of the
  * rounded activations (act8's pairs hold -8 S and S). */
 INLINE void int4_panel_tile(const qmm_args *a, const act8 *x, int64_t m0, int T, int64_t p) {
   const int64_t K = a->in_features, blocks = K / 32, bpg = a->group_size / 32;
-  const int64_t groups = K / a->group_size, N = a->out_features;
+  const int64_t groups = K / a->group_size;
   const uint8_t *codes = (const uint8_t *)a->codes + p * blocks * 256;
   const int64_t params0 = p * groups * 2 * PANEL;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
@@ -1111,35 +1121,36 @@ INLINE void int4_panel_tile(const qmm_args *a, const act8 *x, int64_t m0, int T,
       acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(pair[1]), acc[r]);
     }
   }
-  const int64_t n0 = p * PANEL, count = N - n0 < PANEL ? N - n0 : PANEL;
-  for (int r = 0; r < T; r++) {
-    float lanes[PANEL];
-    _mm512_storeu_ps(lanes, acc[r]);
-    for (int64_t j = 0; j < count; j++) store(a, m0 + r, n0 + j, lanes[j]);
-  }
+  store_panel(a, acc, m0, T, p);
 }
+
+/* x [M, K] rounded by quantize_activations times the panels, tile by tile of PANEL_ROWS rows
+ * (each panel's codes read once per tile); a switch so that each tile's row count is a
+ * constant and its loops unroll. */
+#define PANEL_ROWS_OF(TILE)                                                                  \
+  const act8 x = quantize_activations(a);                                                    \
+  const int64_t M = a->rows, panels = (a->out_features + PANEL - 1) / PANEL;                 \
+  _Pragma("omp parallel for schedule(static) num_threads(a->num_threads)")                   \
+  for (int64_t p = 0; p < panels; p++)                                                       \
+    for (int64_t m0 = 0; m0 < M; m0 += PANEL_ROWS) {                                         \
+      switch (M - m0 >= PANEL_ROWS ? PANEL_ROWS : M - m0) {                                  \
+        case 8: TILE(a, &x, m0, 8, p); break;                                                \
+        case 7: TILE(a, &x, m0, 7, p); break;                                                \
+        case 6: TILE(a, &x, m0, 6, p); break;                                                \
+        case 5: TILE(a, &x, m0, 5, p); break;                                                \
+        case 4: TILE(a, &x, m0, 4, p); break;                                                \
+        case 3: TILE(a, &x, m0, 3, p); break;                                                \
+        case 2: TILE(a, &x, m0, 2, p); break;                                                \
+        default: TILE(a, &x, m0, 1, p); break;                                               \
+      }                                                                                      \
+    }
 
 /* x [M, K] times panel-packed int4 weights, x rounded by quantize_activations: each panel's
  * codes are read once per tile of PANEL_ROWS rows. No GEMM path: at 16 to 1024 rows this was
  * faster than dequantized slices through torch's float32 GEMM, and than the row layout's GEMM
  * path, on an AMX Xeon (1 and 2 threads, docs/BENCHMARKS.md "int4 in panels of 16 columns"). */
 void int4_panel_a8_matmul(const qmm_args *a) {
-  const act8 x = quantize_activations(a);
-  const int64_t M = a->rows, panels = (a->out_features + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(a->num_threads)
-  for (int64_t p = 0; p < panels; p++)
-    for (int64_t m0 = 0; m0 < M; m0 += PANEL_ROWS) {
-      switch (M - m0 >= PANEL_ROWS ? PANEL_ROWS : M - m0) { /* constant tiles unroll */
-        case 8: int4_panel_tile(a, &x, m0, 8, p); break;
-        case 7: int4_panel_tile(a, &x, m0, 7, p); break;
-        case 6: int4_panel_tile(a, &x, m0, 6, p); break;
-        case 5: int4_panel_tile(a, &x, m0, 5, p); break;
-        case 4: int4_panel_tile(a, &x, m0, 4, p); break;
-        case 3: int4_panel_tile(a, &x, m0, 3, p); break;
-        case 2: int4_panel_tile(a, &x, m0, 2, p); break;
-        default: int4_panel_tile(a, &x, m0, 1, p); break;
-      }
-    }
+  PANEL_ROWS_OF(int4_panel_tile)
 }
 
 /* Symmetric int8 weights in panels of 16 output columns (int8_panel_a8_matmul), groups of a
@@ -1151,7 +1162,7 @@ void int4_panel_a8_matmul(const qmm_args *a) {
  *   params [P, K / group_size, 16]: each group's 16 scales. */
 INLINE void int8_panel_tile(const qmm_args *a, const act8 *x, int64_t m0, int T, int64_t p) {
   const int64_t K = a->in_features, blocks = K / 32, bpg = a->group_size / 32;
-  const int64_t groups = K / a->group_size, N = a->out_features;
+  const int64_t groups = K / a->group_size;
   const uint8_t *codes = (const uint8_t *)a->codes + p * blocks * 512;
   __m512 acc[PANEL_ROWS];
   for (int r = 0; r < T; r++) acc[r] = _mm512_setzero_ps();
@@ -1181,32 +1192,12 @@ INLINE void int8_panel_tile(const qmm_args *a, const act8 *x, int64_t m0, int T,
     const __m512 scale = load_params16(a->params, (p * groups + g) * PANEL, a->params_dtype);
     for (int r = 0; r < T; r++) acc[r] = _mm512_fmadd_ps(t[r], scale, acc[r]);
   }
-  const int64_t n0 = p * PANEL, count = N - n0 < PANEL ? N - n0 : PANEL;
-  for (int r = 0; r < T; r++) {
-    float lanes[PANEL];
-    _mm512_storeu_ps(lanes, acc[r]);
-    for (int64_t j = 0; j < count; j++) store(a, m0 + r, n0 + j, lanes[j]);
-  }
+  store_panel(a, acc, m0, T, p);
 }
 
 /* x [M, K] times panel-packed symmetric int8 weights, x rounded by quantize_activations. */
 void int8_panel_a8_matmul(const qmm_args *a) {
-  const act8 x = quantize_activations(a);
-  const int64_t M = a->rows, panels = (a->out_features + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) num_threads(a->num_threads)
-  for (int64_t p = 0; p < panels; p++)
-    for (int64_t m0 = 0; m0 < M; m0 += PANEL_ROWS) {
-      switch (M - m0 >= PANEL_ROWS ? PANEL_ROWS : M - m0) { /* constant tiles unroll */
-        case 8: int8_panel_tile(a, &x, m0, 8, p); break;
-        case 7: int8_panel_tile(a, &x, m0, 7, p); break;
-        case 6: int8_panel_tile(a, &x, m0, 6, p); break;
-        case 5: int8_panel_tile(a, &x, m0, 5, p); break;
-        case 4: int8_panel_tile(a, &x, m0, 4, p); break;
-        case 3: int8_panel_tile(a, &x, m0, 3, p); break;
-        case 2: int8_panel_tile(a, &x, m0, 2, p); break;
-        default: int8_panel_tile(a, &x, m0, 1, p); break;
-      }
-    }
+  PANEL_ROWS_OF(int8_panel_tile)
 }
 #endif
 
