@@ -63,7 +63,7 @@ from pagellm.attention import AttentionMetadata, cpu_kernel, kv_quant
 from pagellm.attention.torch_backend import _decode
 from pagellm.bench.quant_quality import quality
 from pagellm.bench.throughput import machine_info, resolve_model
-from pagellm.model.layers import Linear, quant_matmul
+from pagellm.model.layers import Linear, quant_matmul, quant_panels
 from pagellm.model.layers.quantized_linear import int4_quantize, int8_quantize
 from pagellm.worker.cache_engine import _allocate_zeroed
 
@@ -415,7 +415,7 @@ def matmul(rounds: int) -> dict:
         panels = None
         if quant_matmul.has_vnni_loops():  # the layout int4 layers take with int8 activations
             panels = quant_matmul.QuantizedMatmul(
-                "int4_panels", *quant_matmul.pack_int4_panels(q4, params), 32,
+                "int4_panels", *quant_panels.pack_int4_panels(q4, params), 32,
                 out_features=out_features)
         torch4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q4.int().contiguous(), 1)
         torch4_params = params.transpose(0, 1).contiguous()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagellm import native
-from pagellm.model.layers import quant_matmul
+from pagellm.model.layers import quant_matmul, quant_panels
 from pagellm.model.layers.quantized_linear import (Int4Weight, Int8Weight, int4_quantize,
                                                    int8_quantize)
 
@@ -161,13 +161,13 @@ def test_int4_panels_round_trip():
     gen = torch.Generator().manual_seed(5)
     q = torch.randint(0, 16, (21, 64), generator=gen, dtype=torch.uint8)
     params = torch.randn(21, 2, 2, generator=gen).to(torch.bfloat16)
-    packed, panel_params = quant_matmul.pack_int4_panels(q, params)
+    packed, panel_params = quant_panels.pack_int4_panels(q, params)
     assert packed.shape == (2, 2, 256) and panel_params.shape == (2, 2, 2, 16)
     assert packed[1, 1, 64 * 2 + 4 * 3 + 1] == q[19, 32 + 8 + 1] | (q[19, 32 + 16 + 8 + 1] << 4)
     assert panel_params[1, 0, 1, 3] == params[19, 0, 1]
     assert not packed[1].view(2, 4, 16, 4)[:, :, 5:].any()  # columns 21-31: padding
     assert not panel_params[1, :, :, 5:].any()
-    codes, unpacked = quant_matmul.unpack_int4_panels(packed, panel_params, 21)
+    codes, unpacked = quant_panels.unpack_int4_panels(packed, panel_params, 21)
     assert torch.equal(codes, q) and torch.equal(unpacked, params)
     with pytest.raises(ValueError, match="out_features=40 for 2 panels of 16"):
         quant_matmul.QuantizedMatmul("int4_panels", packed, panel_params, 32, out_features=40)
@@ -191,7 +191,7 @@ def test_int4_panels_times_int8_activations_match_float64_reference(
     x, q, params, deq = int4_case(out_features, in_features, x_dtype, param_dtype,
                                   group_size, 14)
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(15))
-    packed, panel_params = quant_matmul.pack_int4_panels(q, params)
+    packed, panel_params = quant_panels.pack_int4_panels(q, params)
     kernel = quant_matmul.QuantizedMatmul("int4_panels", packed, panel_params, group_size,
                                           bias, out_features=out_features)
     assert kernel.integer()
@@ -214,7 +214,7 @@ def test_int8_panels_layout():
     q = torch.randint(-127, 128, (21, 64), dtype=torch.int8,
                       generator=torch.Generator().manual_seed(30))
     scale = torch.rand(21, 2, generator=torch.Generator().manual_seed(31)).bfloat16()
-    packed, scales = quant_matmul.pack_int8_panels(q, scale)
+    packed, scales = quant_panels.pack_int8_panels(q, scale)
     assert packed.shape == (2, 2, 512) and scales.shape == (2, 2, 16)
     assert packed.dtype == torch.uint8 and scales.dtype == torch.bfloat16
     for n, k in ((0, 0), (5, 37), (17, 63), (20, 30)):
@@ -223,7 +223,7 @@ def test_int8_panels_layout():
     assert scales[1, 1, 4] == scale[20, 1]
     assert (packed[1, :, :].view(2, 8, 16, 4)[:, :, 5:] == 128).all()
     assert not scales[1, :, 5:].any()
-    _, row_scales = quant_matmul.pack_int8_panels(q, scale[:, 0].contiguous())
+    _, row_scales = quant_panels.pack_int8_panels(q, scale[:, 0].contiguous())
     assert row_scales.shape == (2, 1, 16) and row_scales[1, 0, 3] == scale[19, 0]
 
 
@@ -257,7 +257,7 @@ def test_int8_panels_times_int8_activations_match_float64_reference(
         expected = quant_matmul.quantize_activations(x[:rows]).double() @ deq.T
         check_close(kernel(x[:rows], add_bias=False), expected)
         check_close(kernel(x[:rows]), expected + bias.double())
-    assert kernel._panels is not None
+    assert kernel._panel_matmul is not None
     out = torch.empty(5, out_features, dtype=torch.bfloat16)
     workspace = torch.empty(quant_matmul.workspace_floats(5, in_features))
     kernel.prepared(x[:5], out, workspace)()

@@ -1170,7 +1170,7 @@ INLINE void int8_panel_tile(const qmm_args *a, const act8 *x, int64_t m0, int T,
     __m512 t[PANEL_ROWS];
     for (int64_t b = g * bpg; b < (g + 1) * bpg; b++) {
       const uint8_t *c = codes + b * 512;
-      if (m0 == 0)
+      if (m0 == 0) /* as many blocks ahead as the int4 panels: twice the bytes per block */
         for (int j = 0; j < 8; j++) __builtin_prefetch(c + 2 * PANEL_AHEAD + 64 * j, 0, 1);
       __m512i w[8];
       for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(c + 64 * j));

@@ -8,8 +8,8 @@ or 8 in AVX2 builds), with AVX2 + FMA inner loops where the build has them and p
 elsewhere. From ``GEMM_ROWS`` rows on (prefill), a product dequantizes a cache-sized slice of
 the weight to float32 at a time and hands it to torch's float32 GEMM, which then beats
 widening per tile. With int8 activations on AVX512-VNNI builds, int4 weights are packed in
-panels of 16 output columns (``pack_int4_panels``) for a kernel that sums 16 columns' integer
-products side by side in one register.
+panels of 16 output columns (quant_panels.py) for a kernel that sums 16 columns' integer
+products side by side in one register; symmetric int8 weights too.
 
 Both compute the float32 sums of ``x * w`` with ``w`` dequantized exactly as the layers'
 ``dequantized()`` reference (quantized_linear.py), rounded once to x's dtype. The library is
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pagellm import native
+from pagellm.model.layers.quant_panels import PANEL, pack_int8_panels
 
 _SOURCE = Path(__file__).with_name("quant_matmul.c")
 WHAT = "CPU quantized matmul"  # its name in native.status()
@@ -132,61 +133,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([runs & 0x0F, runs >> 4], 2).reshape(out_features, -1)
 
 
-PANEL = 16  # output columns per panel of pack_int4_panels
-
-
-def pack_int4_panels(codes: torch.Tensor, scale_and_zero: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes [N, K] in [0, 15] and scale_and_zero [N, K / group_size, 2] in the panel layout
-    of int4_panel_a8_matmul (quant_matmul.c): codes [P, K / 32, 256] uint8 with P =
-    ceil(N / 16), where for panel p, block b, chunk c = 0..3 and column j, byte 64 c + 4 j + i
-    holds column 16 p + j's code at k = 32 b + 4 c + i (low nibble) and at 32 b + 16 + 4 c + i
-    (high nibble); params [P, K / group_size, 2, 16] (each group's 16 scales, then its 16
-    zeros). The last panel's missing columns are zero codes and parameters."""
-    out_features, in_features = codes.shape
-    panels = -(-out_features // PANEL)
-    pad = panels * PANEL - out_features
-    q = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
-    # [P, j, b, half, c, i] -> [P, b, c, j, i, half]
-    q = q.view(panels, PANEL, in_features // 32, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-    packed = (q[..., 0] | (q[..., 1] << 4)).reshape(panels, in_features // 32, 256)
-    groups = scale_and_zero.shape[1]
-    params = torch.nn.functional.pad(scale_and_zero, (0, 0, 0, 0, 0, pad))
-    params = params.view(panels, PANEL, groups, 2).permute(0, 2, 3, 1)
-    return packed.contiguous(), params.contiguous()
-
-
-def unpack_int4_panels(packed: torch.Tensor, params: torch.Tensor, out_features: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of pack_int4_panels: codes [N, K] uint8, scale_and_zero [N, K / g, 2]."""
-    panels, blocks = packed.shape[:2]
-    q = packed.view(panels, blocks, 4, PANEL, 4, 1)
-    q = torch.cat([q & 0x0F, q >> 4], -1)  # [P, b, c, j, i, half]
-    q = q.permute(0, 3, 1, 5, 2, 4).reshape(panels * PANEL, blocks * 32)
-    scale_and_zero = params.permute(0, 3, 1, 2).reshape(panels * PANEL, params.shape[1], 2)
-    return q[:out_features].contiguous(), scale_and_zero[:out_features].contiguous()
-
-
-def pack_int8_panels(codes: torch.Tensor, scale: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes [N, K] and their scales ([N] or [N, K / group_size]) in the panel
-    layout of int8_panel_a8_matmul (quant_matmul.c): codes [P, K / 32, 512] uint8 with P =
-    ceil(N / 16), where for panel p, block b, chunk c = 0..7 and column j, byte 64 c + 4 j + i
-    holds column 16 p + j's code at k = 32 b + 4 c + i plus 128; scales [P, groups, 16]. The
-    last panel's missing columns are zero codes and scales."""
-    out_features, in_features = codes.shape
-    panels = -(-out_features // PANEL)
-    pad = panels * PANEL - out_features
-    q = torch.nn.functional.pad(codes.to(torch.int16) + 128, (0, 0, 0, pad), value=128)
-    # [P, j, b, c, i] -> [P, b, c, j, i]
-    q = q.view(panels, PANEL, in_features // 32, 8, 4).permute(0, 2, 3, 1, 4)
-    packed = q.to(torch.uint8).reshape(panels, in_features // 32, 512)
-    scales = scale.reshape(out_features, -1)
-    scales = torch.nn.functional.pad(scales, (0, 0, 0, pad))
-    scales = scales.view(panels, PANEL, scales.shape[1]).permute(0, 2, 1)
-    return packed.contiguous(), scales.contiguous()
-
-
+_PANEL_KINDS = ("int4_panels", "int8_panels")
 # the kernel's params_dtype codes (quant_matmul.c)
 _PARAMS_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -202,29 +149,30 @@ class QuantizedMatmul:
     ``kind``: "int4" (codes from pack_int4, params [N, K / group_size, 2]), "int8" (codes
     [N, K] int8, params [N] or [N, K / group_size]), "int8_zero" (codes [N, K] int8, params
     [N, K / group_size, 2]: w = q * scale + zero) or "bf16" (codes: a bfloat16 weight [N, K]
-    as it is, K % 8 == 0; params ignored) or "int4_panels" (codes and params from
-    pack_int4_panels, ``out_features`` N given; int8 activations only: it has no float
-    loops and no GEMM path, any number of rows runs its kernel, PANEL_CHUNK_ROWS at a
-    time). ``bias`` [N], added in float32 before the one rounding to x's dtype.
+    as it is, K % 8 == 0; params ignored) or "int4_panels" / "int8_panels" (codes and
+    params from quant_panels' pack_int4_panels / pack_int8_panels, ``out_features`` N given;
+    int8 activations only: no float loops and no GEMM path, any number of rows runs the
+    kernel, PANEL_CHUNK_ROWS at a time). ``bias`` [N], added in float32 before the one
+    rounding to x's dtype.
 
     ``int8_activations`` (settable; it applies where takes_int8_activations: int4, and int8
     without zeros in groups of a multiple of 32): multiply x rounded by quantize_activations
     instead of x: with integer dot products below INTEGER_ROWS rows (int4_a8_matmul,
     int8_a8_matmul), from there the float loops (and from GEMM_ROWS the float32 GEMM) on the
-    rounded rows; symmetric int8 on AVX512-VNNI builds in panels at every row count
-    (_int8_panels)."""
+    rounded rows; symmetric int8 on AVX512-VNNI builds through its "int8_panels" copy at
+    every row count (panel_matmul)."""
 
     int8_activations = False
-    _panels = None  # _int8_panels()
+    _panel_matmul = None  # panel_matmul()
 
     def __init__(self, kind: str, codes: torch.Tensor, params: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None,
                  out_features: int | None = None) -> None:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kind, self.codes, self.params = kind, codes, params  # keep them alive
-        if kind == "int4_panels":
+        if kind in _PANEL_KINDS:
             if out_features is None or not 0 <= codes.shape[0] * PANEL - out_features < PANEL:
-                raise ValueError(f"int4 panels: out_features={out_features} for "
+                raise ValueError(f"{kind.replace('_', ' ')}: out_features={out_features} for "
                                  f"{codes.shape[0]} panels of {PANEL}")
             self.out_features, self.in_features = out_features, codes.shape[1] * 32
         else:
@@ -236,7 +184,7 @@ class QuantizedMatmul:
                              f"{str(params.dtype).removeprefix('torch.')}; float32, bfloat16 "
                              f"or float16")
         # int8_activations' integer products: int4, and symmetric int8 in whole blocks of 32
-        self.takes_int8_activations = kind in ("int4", "int4_panels") or (
+        self.takes_int8_activations = kind == "int4" or kind in _PANEL_KINDS or (
             kind == "int8" and group_size % 32 == 0 and self.in_features % 32 == 0)
         self.args = _Args(0, codes.data_ptr(), params.data_ptr(), 0, 0, 0, self.out_features,
                           self.in_features, group_size, 0, 1, 0, params_dtype, None)
@@ -244,8 +192,8 @@ class QuantizedMatmul:
 
     def integer(self) -> bool:
         """Whether x is rounded to int8 codes for the product (always for the panels)."""
-        return self.kind == "int4_panels" or (self.int8_activations
-                                               and self.takes_int8_activations)
+        return self.kind in _PANEL_KINDS or (self.int8_activations
+                                             and self.takes_int8_activations)
 
     def __call__(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """``add_bias=False``: without the bias given at construction."""
@@ -261,12 +209,12 @@ class QuantizedMatmul:
         integer = self.integer()
         args = self.args
         bias = self.bias if add_bias else None
-        if self.kind == "int4_panels":
-            out = self._panel_rows(library, rows, bias, None)
+        if self.kind in _PANEL_KINDS:
+            out = self._panel_rows(library, rows, bias)
             return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
-        if integer and self._int8_panels() is not None:
-            out = self._panel_rows(library, rows, bias, self._panels)
-            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+        panels = self.panel_matmul() if integer else None
+        if panels is not None:
+            return panels(x, add_bias)
         if integer and num_rows >= INTEGER_ROWS:
             # the float loops (or the GEMM) on the rounded rows
             rows, integer = _rounded_rows(library, args, rows), False
@@ -283,28 +231,24 @@ class QuantizedMatmul:
         out = out.to(x.dtype)  # rounded rows: float32, rounded once here
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
-    def _int8_panels(self) -> tuple | None:
-        """Symmetric int8 codes in whole blocks of 32 with int8 activations, where the build
-        has the AVX512-VNNI loops: their copy in pack_int8_panels' layout and its kernel
-        arguments (made on first use, kept beside the row-layout codes), which every product
-        then runs (int8_panel_a8_matmul, no float loops and no GEMM path: 2-5x faster than
-        them at 4-256 rows for SmolLM2's vocabulary projection on an AMX Xeon); None
-        elsewhere."""
-        if self._panels is None and (self.kind == "int8" and self.takes_int8_activations
-                                     and self.int8_activations and has_vnni_loops()):
-            codes, scales = pack_int8_panels(self.codes, self.params)
-            args = _Args.from_buffer_copy(self.args)
-            args.codes, args.params = codes.data_ptr(), scales.data_ptr()
-            self._panels = (codes, scales, args, ctypes.byref(args))
-        return self._panels if self.integer() else None
+    def panel_matmul(self) -> QuantizedMatmul | None:
+        """Where the build has the AVX512-VNNI loops, symmetric int8 codes in whole blocks of
+        32 take int8 activations in panels: their "int8_panels" copy (pack_int8_panels, made
+        on first use and kept beside the row-layout codes), which every product with
+        int8_activations then runs (no float loops, no GEMM path: 2-5x faster than those at
+        4-256 rows for SmolLM2's vocabulary projection on an AMX Xeon). None elsewhere."""
+        if self._panel_matmul is None and (self.kind == "int8" and self.takes_int8_activations
+                                           and has_vnni_loops()):
+            self._panel_matmul = QuantizedMatmul(
+                "int8_panels", *pack_int8_panels(self.codes, self.params),
+                self.args.group_size, self.bias, out_features=self.out_features)
+        return self._panel_matmul
 
     def _panel_rows(self, library: ctypes.CDLL, rows: torch.Tensor,
-                    bias: torch.Tensor | None, panels: tuple | None) -> torch.Tensor:
-        """The panels' product (int4_panels, or ``panels`` from _int8_panels()),
-        PANEL_CHUNK_ROWS rows per call (bounding the workspace)."""
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """The panels' product, PANEL_CHUNK_ROWS rows per call (bounding the workspace)."""
         out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
-        args, pointer = (self.args, self.pointer) if panels is None else panels[2:]
-        kernel = library.int4_panel_a8_matmul if panels is None else library.int8_panel_a8_matmul
+        args, kernel = self.args, getattr(library, _kernel(self.kind, True))
         args.bias = None if bias is None else bias.data_ptr()
         for start in range(0, rows.shape[0], PANEL_CHUNK_ROWS):
             chunk = rows[start:start + PANEL_CHUNK_ROWS]
@@ -312,7 +256,7 @@ class QuantizedMatmul:
             args.out = out[start:start + PANEL_CHUNK_ROWS].data_ptr()
             args.workspace = _LIBRARY.scratch(workspace_floats(chunk.shape[0],
                                                                self.in_features)).data_ptr()
-            kernel(pointer)
+            kernel(self.pointer)
         return out
 
     def prepared(self, x: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor
@@ -327,14 +271,13 @@ class QuantizedMatmul:
             raise ValueError(f"prepared: {rows} rows take the GEMM path")
         library = _LIBRARY.load()
         integer = self.integer()
+        panels = self.panel_matmul() if integer else None
+        if panels is not None:
+            return panels.prepared(x, out, workspace)
         args = _Args.from_buffer_copy(self.args)
         _set_rows(args, x)
         args.out, args.workspace, args.bias = out.data_ptr(), workspace.data_ptr(), None
-        panels = self._int8_panels() if integer else None
-        if panels is not None:
-            args.codes, args.params = panels[2].codes, panels[2].params
-            return native.PreparedCall(library.int8_panel_a8_matmul, args)
-        if not integer or rows < INTEGER_ROWS or self.kind == "int4_panels":
+        if not integer or rows < INTEGER_ROWS or self.kind in _PANEL_KINDS:
             return native.PreparedCall(getattr(library, _kernel(self.kind, integer)), args)
         # as __call__ from INTEGER_ROWS rows: the rows rounded in float32, the float loops
         # into float32, rounded once to x's dtype
@@ -414,9 +357,9 @@ def _set_rows(args: _Args, rows: torch.Tensor) -> None:
 
 def _kernel(kind: str, integer: bool) -> str:
     """The product's C function by kind: {kind}_a8_matmul for int8 activations
-    (int4_panel_a8_matmul for the panels, which have no other)."""
-    if kind == "int4_panels":
-        return "int4_panel_a8_matmul"
+    ({int4,int8}_panel_a8_matmul for the panels, which have no other)."""
+    if kind in _PANEL_KINDS:
+        return f"{kind.removesuffix('_panels')}_panel_a8_matmul"
     return f"{kind}_a8_matmul" if integer else f"{kind}_matmul"
 
 

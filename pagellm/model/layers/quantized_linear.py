@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm import config
-from pagellm.model.layers import quant_matmul
+from pagellm.model.layers import quant_matmul, quant_panels
 
 # the engine's choices (pagellm/config.py), None aside
 QUANTIZATION_METHODS = tuple(m for m in config.QUANTIZATION_METHODS if m is not None)
@@ -161,7 +161,7 @@ class Int4Weight(nn.Module):
     ``packed`` is quant_matmul.pack_int4's [N, K / 2] layout where the compiled kernels run,
     else torch's int4pack (with the parameters also held in its [K / group_size, N, 2]
     layout). With int8 activations on a build with the AVX512-VNNI loops, both are in
-    quant_matmul.pack_int4_panels' layout instead (``panels``; scales_and_zeros() gives the
+    quant_panels.pack_int4_panels' layout instead (``panels``; scales_and_zeros() gives the
     [N, K / group_size, 2] view)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -234,7 +234,7 @@ class Int4Weight(nn.Module):
         scale_and_zero = self.scales_and_zeros()
         self.panels = self._wants_panels()
         if self.panels:
-            packed, scale_and_zero = quant_matmul.pack_int4_panels(q, scale_and_zero)
+            packed, scale_and_zero = quant_panels.pack_int4_panels(q, scale_and_zero)
         else:
             packed = quant_matmul.pack_int4(q)
         self.register_buffer("packed", packed)
@@ -266,7 +266,7 @@ class Int4Weight(nn.Module):
     def codes(self) -> torch.Tensor:
         """[N, K] uint8 in [0, 15]."""
         if self.panels:
-            return quant_matmul.unpack_int4_panels(self.packed, self.scale_and_zero,
+            return quant_panels.unpack_int4_panels(self.packed, self.scale_and_zero,
                                                    self.kernel.out_features)[0]
         return quant_matmul.unpack_int4(self.packed) if self.compiled else self._q
 
@@ -274,7 +274,7 @@ class Int4Weight(nn.Module):
         """[N, K / group_size, 2] (scale, zero), as stored (the panels' parameters
         rearranged)."""
         if self.panels:
-            return quant_matmul.unpack_int4_panels(self.packed, self.scale_and_zero,
+            return quant_panels.unpack_int4_panels(self.packed, self.scale_and_zero,
                                                    self.kernel.out_features)[1]
         return self.scale_and_zero
 
