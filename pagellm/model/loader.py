@@ -164,19 +164,36 @@ def finish_weights(model: CausalLM, device: torch.device | str, pack_weights: bo
                    quantization: str | None, group_size: int) -> None:
     """After loading: quantize the projections not quantized while loading (from their
     loaded weight), or pack them for oneDNN on the CPU. With "gguf" the projections the file
-    holds unquantized stay so (packed)."""
+    holds unquantized stay so (packed). A tied embedding then reads the head's int8 codes
+    where they are its weight exactly (share_embedding_codes)."""
+    if quantization is None:
+        if pack_weights and torch.device(device).type == "cpu":
+            model.pack_weights()
+        return
     if quantization == "gguf":
         if pack_weights and torch.device(device).type == "cpu":
             model.pack_weights()
-    elif quantization is not None:
+    else:
         shared = {id(model.lm_head.weight)} if model.tie_word_embeddings else set()
         if model.lm_head.quantized is None:  # the logits' matrix stays at 8 bits, as in llama.cpp
             model.lm_head.quantized = quantize_linear(model.lm_head, "int8", group_size)
             if not shared:
                 model.lm_head.weight.data = torch.empty(0, dtype=model.lm_head.weight.dtype)
         quantize_linear_weights(model, quantization, group_size, shared)
-    elif pack_weights and torch.device(device).type == "cpu":
-        model.pack_weights()
+    share_embedding_codes(model)
+
+
+def share_embedding_codes(model: CausalLM) -> bool:
+    """A tied embedding reads its rows from the vocabulary projection's int8 codes where
+    they are its weight exactly (a GGUF file's Q8_0 token embedding), and its bfloat16 /
+    float32 copy is released (54 MB of SmolLM2-135M's in bfloat16)."""
+    from pagellm.model.layers.quantized_linear import Int8Weight
+
+    embedding = getattr(model.model, "embed_tokens", None)
+    codes = model.lm_head.quantized
+    if not model.tie_word_embeddings or embedding is None or not isinstance(codes, Int8Weight):
+        return False
+    return embedding.share_codes(codes)
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,

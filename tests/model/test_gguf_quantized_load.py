@@ -278,8 +278,9 @@ def test_smollm2_int4_takes_every_projection_from_the_file(method, group_size):
     """The real SmolLM2 file (Q4_1 projections, a Q8_0 embedding tied to the output) in int4
     groups of 32 (given, or unset: a GGUF file's default), or as its blocks are (the same),
     bfloat16: every projection holds the file's own codes, scales and zeros; the tied
-    vocabulary projection is int8 from the embedding's float32 values, and the embedding keeps
-    its weight. (With groups of 128, the default before, SmolLM2's 576-wide inputs fit no
+    vocabulary projection is int8 from the embedding's float32 values, which the embedding
+    then reads in place of its own copy (the file's Q8_0 codes where the head holds them as
+    they are). (With groups of 128, the default before, SmolLM2's 576-wide inputs fit no
     group and the load failed.)"""
     path = smollm2_gguf()
     model, config = load_model(path, dtype=torch.bfloat16, quantization=method,
@@ -319,4 +320,12 @@ def test_smollm2_int4_takes_every_projection_from_the_file(method, group_size):
                                         torch.bfloat16)
         assert torch.equal(lm_head.q, reference.q)
         assert torch.equal(lm_head.scale, reference.scale)
-    assert model.model.embed_tokens.weight.shape == (config.vocab_size, config.hidden_size)
+    # the embedding reads the Q8_0 codes where the head holds them as they are (its bfloat16
+    # copy released), else keeps its weight; either way its rows are the file's, rounded once
+    embed = model.model.embed_tokens
+    as_they_are = quant_matmul.available() or method == "gguf"
+    assert (embed.codes is lm_head) == as_they_are
+    assert embed.weight.shape == ((0,) if as_they_are else (config.vocab_size, config.hidden_size))
+    ids = torch.tensor([0, 1, 2, 17, 4095, 4096, config.vocab_size - 1])
+    expected = torch.from_numpy(np.ascontiguousarray(embedding))[ids].to(torch.bfloat16)
+    assert torch.equal(embed(ids), expected)

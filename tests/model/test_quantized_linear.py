@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagellm.model.layers import quant_matmul
 from pagellm.model.layers.quantized_linear import Int4Weight, Int8Weight, check_supported
@@ -184,3 +185,33 @@ def test_int8_activations_engine_matches_its_definition(model_zoo):
     with pytest.raises(ValueError, match="int8_activations=True is invalid: needs "
                                          "quantization='int4' or 'gguf' \\(got 'int8'\\)"):
         LLM(str(llama_dir), quantization="int8", int8_activations=True)
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_tied_embedding_reads_the_head_s_codes_only_where_they_are_its_weight(zeros):
+    """share_codes: an embedding whose weight is its tied head's int8 codes dequantized (as a
+    GGUF file's Q8_0 embedding loads) looks its rows up in the codes, bit for bit, and drops
+    the weight; codes quantized from the weight (not equal to it) leave it as it was."""
+    from pagellm.model.layers.parallel import VocabParallelEmbedding
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, hidden = 70, 64
+    q = torch.randint(-127, 128, (vocab, hidden), generator=gen, dtype=torch.int8)
+    scale = torch.rand(vocab, hidden // 32, generator=gen) / 50
+    zero = torch.randn(vocab, hidden // 32, generator=gen) / 10 if zeros else None
+    codes = Int8Weight(q, scale, 32, zero)
+    ids = torch.tensor([[0, 5, 69], [33, 33, 1]])
+    for dtype in (torch.float32, torch.bfloat16):
+        embedding = VocabParallelEmbedding(vocab, hidden)
+        embedding.weight.data = codes.dequantized().to(dtype)
+        expected = F.embedding(ids, embedding.weight.data)
+        assert embedding.share_codes(codes, chunk=16)
+        assert embedding.codes is codes and embedding.weight.numel() == 0
+        out = embedding(ids)
+        assert out.dtype == dtype and torch.equal(out, expected)
+    embedding = VocabParallelEmbedding(vocab, hidden)
+    weight = torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16)
+    embedding.weight.data = weight.clone()
+    assert not embedding.share_codes(Int8Weight.quantize(weight.float(), torch.bfloat16))
+    assert embedding.codes is None and torch.equal(embedding.weight, weight)
+    assert torch.equal(embedding(ids), F.embedding(ids, weight))

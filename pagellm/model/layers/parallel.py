@@ -76,6 +76,34 @@ class VocabParallelEmbedding(nn.Module):
                                                                 self.tp.world_size)
         self.weight = nn.Parameter(torch.empty(per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.hidden_size = hidden_size
+        # the tied head's int8 codes, read in place of the weight once share_codes found them
+        # equal to it (the weight is then released)
+        self.codes: nn.Module | None = None
+        self.dtype = self.weight.dtype
+
+    def share_codes(self, codes: nn.Module, chunk: int = 4096) -> bool:
+        """Look rows up in ``codes`` (the tied vocabulary projection's Int8Weight, whose rows
+        are this embedding's) and release the weight, if every row's dequantized codes equal
+        the weight's row bit for bit: a GGUF file's Q8_0 embedding, which the weight holds
+        dequantized, does; codes quantized from the weight (quantization="int8" or "int4" on
+        a safetensors model) do not, and the weight stays. Returns whether it shared."""
+        weight = self.weight.data
+        if codes.q.shape != weight.shape:
+            return False
+        for start in range(0, weight.shape[0], chunk):
+            index = torch.arange(start, min(start + chunk, weight.shape[0]))
+            if not torch.equal(codes.rows(index, weight.dtype), weight[index]):
+                return False
+        object.__setattr__(self, "codes", codes)  # lm_head's submodule, not also this one's
+        self.dtype = weight.dtype
+        self.weight.data = torch.empty(0, dtype=weight.dtype)
+        return True
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.codes is None:
+            return F.embedding(ids, self.weight)
+        return self.codes.rows(ids.reshape(-1), self.dtype).view(*ids.shape, self.hidden_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
@@ -83,16 +111,17 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)  # [T, hidden_size]
+            return self._lookup(input_ids)  # [T, hidden_size]
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_rows)
-        embedded = F.embedding(local.masked_fill(outside, 0), self.weight)
+        embedded = self._lookup(local.masked_fill(outside, 0))
         embedded.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(embedded)
 
     def extra_repr(self) -> str:
         return (f"vocab={self.vocab_size}, rows {self.vocab_start}.."
-                f"{self.vocab_start + self.num_rows}, hidden={self.weight.shape[1]}")
+                f"{self.vocab_start + self.num_rows}, hidden={self.hidden_size}"
+                + (", int8 codes of the tied head" if self.codes is not None else ""))
 
 
 class ParallelLMHead(Linear):

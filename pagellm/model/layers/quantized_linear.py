@@ -141,6 +141,16 @@ class Int8Weight(nn.Module):
             return None
         return functools.partial(torch._weight_int8pack_mm, x, self.q, self.scale)
 
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` [T] of dequantized() in ``dtype`` ([T, K]; one rounding, from
+        float32): a tied embedding's lookups (VocabParallelEmbedding.share_codes)."""
+        q = self.q.index_select(0, index)
+        scale = self.scale.index_select(0, index).float().view(q.shape[0], -1, 1)
+        weight = q.view(*scale.shape[:2], -1) * scale  # int8 x float32: float32
+        if self.zero is not None:
+            weight += self.zero.index_select(0, index).float()[..., None]
+        return weight.view(q.shape).to(dtype)
+
     def dequantized(self) -> torch.Tensor:
         """[N, K] float32."""
         scale = self.scale.float().view(self.q.shape[0], -1, 1)
