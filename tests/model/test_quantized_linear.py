@@ -215,3 +215,33 @@ def test_tied_embedding_reads_the_head_s_codes_only_where_they_are_its_weight(ze
     assert not embedding.share_codes(Int8Weight.quantize(weight.float(), torch.bfloat16))
     assert embedding.codes is None and torch.equal(embedding.weight, weight)
     assert torch.equal(embedding(ids), F.embedding(ids, weight))
+
+
+def test_int8_codes_move_into_the_panels_and_back():
+    """On AVX512-VNNI builds, int8 activations put a symmetric int8 layer's codes in the
+    panel layout, with no second copy in rows: its products are the panel kernel's (bit for
+    bit those of the row-layout codes' panel copy), and codes(), rows() and dequantized() are
+    unchanged; switched off, the codes are back in rows as they were."""
+    if not quant_matmul.available() or not quant_matmul.has_vnni_loops():
+        pytest.skip("the panel kernels need the compiled AVX512-VNNI loops")
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (37, 96), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(37, 3, generator=gen) / 50).to(torch.float16)
+    layer = Int8Weight(q.clone(), scale, 32)
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+    row_panels = quant_matmul.QuantizedMatmul("int8", q, layer.params, 32)
+    row_panels.int8_activations = True
+    expected = row_panels(x)
+    weight = layer.dequantized()
+    ids = torch.tensor([0, 15, 16, 36, 3])
+    rows = layer.rows(ids, torch.bfloat16)
+    layer.int8_activations = True
+    assert layer.panels and layer.q.numel() == 0 and layer.int8_activations
+    assert layer.kernel.kind == "int8_panels"
+    assert layer.nbytes == layer.panel_codes.nbytes + layer.panel_scales.nbytes + layer.params.nbytes
+    assert torch.equal(layer(x), expected)
+    assert torch.equal(layer.codes(), q) and torch.equal(layer.dequantized(), weight)
+    assert torch.equal(layer.rows(ids, torch.bfloat16), rows)
+    layer.int8_activations = False
+    assert not layer.panels and not layer.int8_activations and torch.equal(layer.q, q)
+    assert torch.equal(layer.rows(ids, torch.bfloat16), rows)

@@ -89,7 +89,7 @@ class VocabParallelEmbedding(nn.Module):
         dequantized, does; codes quantized from the weight (quantization="int8" or "int4" on
         a safetensors model) do not, and the weight stays. Returns whether it shared."""
         weight = self.weight.data
-        if codes.q.shape != weight.shape:
+        if (codes.out_features, codes.in_features) != tuple(weight.shape):
             return False
         for start in range(0, weight.shape[0], chunk):
             index = torch.arange(start, min(start + chunk, weight.shape[0]))

@@ -234,9 +234,10 @@ class QuantizedMatmul:
     def panel_matmul(self) -> QuantizedMatmul | None:
         """Where the build has the AVX512-VNNI loops, symmetric int8 codes in whole blocks of
         32 take int8 activations in panels: their "int8_panels" copy (pack_int8_panels, made
-        on first use and kept beside the row-layout codes), which every product with
-        int8_activations then runs (no float loops, no GEMM path: 2-5x faster than those at
-        4-256 rows for SmolLM2's vocabulary projection on an AMX Xeon). None elsewhere."""
+        on first use and kept beside the row-layout codes; Int8Weight moves its codes into
+        panels of its own instead), which every product with int8_activations then runs (no
+        float loops, no GEMM path: 2-5x faster than those at 4-256 rows for SmolLM2's
+        vocabulary projection on an AMX Xeon). None elsewhere."""
         if self._panel_matmul is None and (self.kind == "int8" and self.takes_int8_activations
                                            and has_vnni_loops()):
             self._panel_matmul = QuantizedMatmul(

@@ -1,9 +1,11 @@
 """The panel layouts of quant_matmul.c's panel kernels (AVX512-VNNI builds, int8 activations):
 a weight's output columns in panels of 16, each block of 32 inputs of a panel stored so that
 one ``vpdpbusd`` adds 4 code products into each of the 16 columns' 32-bit lanes.
-``pack_int4_panels`` (int4_panel_a8_matmul) and its inverse, ``pack_int8_panels``
-(int8_panel_a8_matmul). Plain torch, no kernels."""
+``pack_int4_panels`` (int4_panel_a8_matmul) and ``pack_int8_panels`` (int8_panel_a8_matmul),
+and their inverses. Plain torch, no kernels."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -60,3 +62,28 @@ def pack_int8_panels(codes: torch.Tensor, scale: torch.Tensor
     scales = torch.nn.functional.pad(scales, (0, 0, 0, pad))
     scales = scales.view(panels, PANEL, scales.shape[1]).permute(0, 2, 1)
     return packed.contiguous(), scales.contiguous()
+
+
+def unpack_int8_panels(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The codes of pack_int8_panels' layout back in rows: [N, K] int8."""
+    panels, blocks = packed.shape[:2]
+    q = packed.view(panels, blocks, 8, PANEL, 4).permute(0, 3, 1, 2, 4)
+    q = q.reshape(panels * PANEL, blocks * 32)[:out_features]
+    return (q.to(torch.int16) - 128).to(torch.int8)
+
+
+def int8_panel_rows(packed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` [T] of the codes in pack_int8_panels' layout: [T, K] int8, read in
+    place (a tied embedding's lookups)."""
+    blocks = packed.shape[1]
+    # column n's first code: panel n // 16 at n % 16 * 4, = 4 n + (n // 16) (panel bytes - 64)
+    first = torch.add(index * 4, index >> 4, alpha=blocks * 512 - 4 * PANEL)
+    codes = packed.view(-1).take(first[:, None] + _row_offsets(blocks))
+    return torch.bitwise_xor(codes, 128).view(torch.int8)  # code + 128 -> code
+
+
+@functools.lru_cache(maxsize=8)
+def _row_offsets(blocks: int) -> torch.Tensor:
+    """[K]: where input k of a panel's column 0 sits in the panel (pack_int8_panels)."""
+    k = torch.arange(blocks * 32)
+    return k // 32 * 512 + k % 32 // 4 * 64 + k % 4

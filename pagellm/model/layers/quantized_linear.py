@@ -56,7 +56,12 @@ class Int8Weight(nn.Module):
     product; torch has no kernel for it (nor for symmetric groups), so without the compiled
     kernels forward multiplies the dequantized weight. ``params`` is the one buffer of
     either (what the kernel reads); ``scale`` and ``zero`` (None: symmetric) are read from
-    it."""
+    it.
+
+    With int8 activations on a build with the AVX512-VNNI loops, the codes are held in
+    quant_panels.pack_int8_panels' layout instead (``panels``: ``panel_codes`` and
+    ``panel_scales``, ``q`` then empty; codes() gives the rows), and back in rows when they
+    are switched off: one copy of the codes either way."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor,
                  group_size: int | None = None, zero: torch.Tensor | None = None) -> None:
@@ -74,6 +79,8 @@ class Int8Weight(nn.Module):
             raise ValueError(f"int8 zeros of shape {tuple(zero.shape)}: zeros go with "
                              f"group-wise scales of the same shape, got scales of shape "
                              f"{tuple(scale.shape)}")
+        self.out_features, self.in_features = out_features, in_features
+        self.panels = False
         self.register_buffer("q", q.contiguous())
         self.register_buffer("params", (scale if zero is None else torch.stack(
             [scale, zero.to(scale.dtype)], -1)).contiguous())
@@ -90,7 +97,7 @@ class Int8Weight(nn.Module):
         """Whether x is rounded by quant_matmul.quantize_activations before the product, as
         Int4Weight's (integer dot products of the codes, as llama.cpp's Q8_0 x Q8_0): only
         for symmetric codes in whole blocks of 32 (takes_int8_activations)."""
-        return self.kernel.int8_activations
+        return self.panels or self.kernel.int8_activations
 
     @int8_activations.setter
     def int8_activations(self, on: bool) -> None:
@@ -101,9 +108,35 @@ class Int8Weight(nn.Module):
         if on and not quant_matmul.available():
             raise ValueError("int8_activations: the compiled quantized matmul kernels are "
                              f"not built here ({quant_matmul.describe()})")
+        self._use_panels(bool(on) and quant_matmul.has_vnni_loops())
         self.kernel.int8_activations = bool(on)
         # torch's kernel would take the rounded rows in float32: the compiled ones while on
         self.compiled = bool(on) or self._compiled_by_default
+
+    def _use_panels(self, on: bool) -> None:
+        """The codes into the panel layout (its kernel every product's), or back in rows."""
+        if on == self.panels:
+            return
+        if on:
+            codes, scales = quant_panels.pack_int8_panels(self.q, self.params)
+            self.register_buffer("panel_codes", codes)
+            self.register_buffer("panel_scales", scales)
+            self.register_buffer("q", torch.empty(0, self.in_features, dtype=torch.int8))
+            self.kernel = quant_matmul.QuantizedMatmul(
+                "int8_panels", codes, scales, self.group_size, out_features=self.out_features)
+        else:
+            self.register_buffer("q", quant_panels.unpack_int8_panels(self.panel_codes,
+                                                                      self.out_features))
+            self.panel_codes = self.panel_scales = None
+            self.kernel = quant_matmul.QuantizedMatmul("int8", self.q, self.params,
+                                                        self.group_size)
+        self.panels = on
+
+    def codes(self) -> torch.Tensor:
+        """[N, K] int8 (a copy out of the panels where ``panels``)."""
+        if self.panels:
+            return quant_panels.unpack_int8_panels(self.panel_codes, self.out_features)
+        return self.q
 
     @property
     def takes_int8_activations(self) -> bool:
@@ -144,7 +177,8 @@ class Int8Weight(nn.Module):
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``index`` [T] of dequantized() in ``dtype`` ([T, K]; one rounding, from
         float32): a tied embedding's lookups (VocabParallelEmbedding.share_codes)."""
-        q = self.q.index_select(0, index)
+        q = (quant_panels.int8_panel_rows(self.panel_codes, index) if self.panels
+             else self.q.index_select(0, index))
         scale = self.scale.index_select(0, index).float().view(q.shape[0], -1, 1)
         weight = q.view(*scale.shape[:2], -1) * scale  # int8 x float32: float32
         if self.zero is not None:
@@ -153,11 +187,12 @@ class Int8Weight(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """[N, K] float32."""
-        scale = self.scale.float().view(self.q.shape[0], -1, 1)
-        weight = self.q.float().view(*scale.shape[:2], -1) * scale
+        q = self.codes()
+        scale = self.scale.float().view(q.shape[0], -1, 1)
+        weight = q.float().view(*scale.shape[:2], -1) * scale
         if self.zero is not None:
             weight += self.zero.float()[..., None]
-        return weight.view(self.q.shape)
+        return weight.view(q.shape)
 
     @property
     def nbytes(self) -> int:
