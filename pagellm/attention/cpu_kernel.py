@@ -83,14 +83,16 @@ def vector_paths() -> dict[str, str]:
     ``8-bit`` is the int8 / fp8 caches' (kv_quant.py): ``AVX-512 VBMI`` where the codes are
     converted by byte-table lookups (bfloat16 queries, head_dim % 64 == 0), ``AMX`` where
     the dot products of those run on the tile registers as well (at most 16 query heads per
-    KV head; see use_amx)."""
+    KV head; see use_amx), ``AMX, int8 values by AMX-INT8`` where pass 2 over an int8 cache
+    multiplies the codes as integers as well (see use_amx_int8_values)."""
     library = _KERNEL.load()
     features = library.paged_decode_features() if library is not None else 0
     avx2 = "AVX2" if features & 8 else "plain C"
     q8 = "AVX-512 VBMI" if features & 16 else "AVX-512" if features & 4 else avx2
     return {"float32": "AVX-512" if features & 1 else avx2,
             "bfloat16": "AVX-512 BF16" if features & 2 else avx2,
-            "8-bit": "AMX" if use_amx() else q8}
+            "8-bit": (("AMX, int8 values by AMX-INT8" if use_amx_int8_values() else "AMX")
+                      if use_amx() else q8)}
 
 
 def use_amx(on: bool | None = None) -> bool:
@@ -102,6 +104,19 @@ def use_amx(on: bool | None = None) -> bool:
     if library is None or not hasattr(library, "paged_decode_amx"):
         return False
     return bool(library.paged_decode_amx(-1 if on is None else int(on)))
+
+
+def use_amx_int8_values(on: bool | None = None) -> bool:
+    """Whether the AMX kernels' weighted sum over an int8 cache multiplies the codes as they
+    are (TDPBUSD on AMX-INT8, up to 8 query heads per KV head), the softmax weights times the
+    rows' scales in 16-bit fixed point of each (block, head)'s largest, instead of the codes'
+    bfloat16 values by bfloat16 weights. Off by default: not yet timed against the bfloat16
+    value products. ``on`` True turns it on where the build has it and use_amx() holds,
+    False off, None only asks."""
+    library = _KERNEL.load()
+    if library is None or not hasattr(library, "paged_decode_amx_int8"):
+        return False
+    return bool(library.paged_decode_amx_int8(-1 if on is None else int(on)))
 
 
 def describe() -> str:
@@ -334,6 +349,9 @@ def _build_and_load(level: str | None, portable: bool) -> ctypes.CDLL | None:
         if hasattr(library, "paged_decode_amx"):  # not in older sources (--rev builds of
             library.paged_decode_amx.argtypes = [ctypes.c_int]  # decode_kernel_variants.py)
             library.paged_decode_amx.restype = ctypes.c_int
+        if hasattr(library, "paged_decode_amx_int8"):
+            library.paged_decode_amx_int8.argtypes = [ctypes.c_int]
+            library.paged_decode_amx_int8.restype = ctypes.c_int
         library.paged_store_q8.argtypes = [ctypes.POINTER(_StoreArgs)]
         library.paged_store_q8.restype = None
     return library

@@ -224,6 +224,40 @@ def amx():
     cpu_kernel.use_amx(True)
 
 
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size",
+                         [(64, 12, 4, 16), (128, 8, 8, 1), (256, 8, 2, 32), (64, 8, 1, 40),
+                          (128, 16, 2, 16), (64, 9, 1, 16)])  # 9 per KV head: bfloat16 values
+def test_amx_int8_values_match_the_reference(head_dim, num_heads, num_kv_heads, block_size,
+                                             amx):
+    """With AMX-INT8 (use_amx_int8_values), the weighted sum over an int8 cache under up to
+    8 query heads per KV head multiplies the codes as integers by weights in 16-bit fixed
+    point, each off by at most 1/131070 of its (block, head)'s largest. The weights of a
+    head sum to 1 over the context, so every output is the float64 reference's rounded to
+    bfloat16 up to 32 keys per block x 127 (the largest code) x the largest row scale /
+    131070, plus the float32 scores' and exp's error (the table kernels' bfloat16 weights
+    are off by up to 2^-9 of themselves). Blocks
+    of 1, 16, 32 and 40 keys, partial blocks, 1 to 9 query heads per KV head."""
+    if not cpu_kernel.use_amx_int8_values(True):
+        pytest.skip("no AMX-INT8 in this build")
+    try:
+        assert "AMX-INT8" in cpu_kernel.vector_paths()["8-bit"]
+        batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1), (33, 1)]
+        q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+            batch, block_size, torch.bfloat16, "int8", num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, seed=block_size)
+        scale = head_dim ** -0.5
+        out = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, None)
+    finally:
+        cpu_kernel.use_amx_int8_values(False)
+    expected = reference(q, cache, batch, seq_lens, tables, scale, None)
+    row_scales = cache.value[..., head_dim:].contiguous().view(torch.bfloat16).double()
+    largest_value = kv_quant.dequantized_cache(cache)[1].abs().max().item()
+    bound = (32 * 127 * row_scales.max().item() / 131070
+             + 2 ** -16 * largest_value)  # the float32 scores and exp, far below that
+    half_ulp = 2.0 ** (torch.floor(torch.log2(expected.abs() + bound)) - 8)
+    assert ((out.double() - expected).abs() <= half_ulp + bound).all()
+
+
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
 @pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size",
                          [(64, 12, 4, 16), (128, 8, 8, 1), (256, 8, 2, 32), (64, 16, 1, 40),
