@@ -10,7 +10,8 @@
 
 - ``quality``: the bfloat16 engine (model dtype KV cache, weights as loaded) generates greedy
   continuations of a few prompts; each variant (kv_cache_dtype int8 / fp8 / fp8_e5m2, weights
-  int8 / int4 / int4 with int8 activations) then scores the same prompt + continuation
+  int8 / int8 with int8 activations (AVX512-VNNI builds) / int4 / int4 with int8
+  activations) then scores the same prompt + continuation
   (teacher forcing, prompt_logprobs):
   mean and max |logprob difference| of the chosen tokens, and greedy agreement (how often the
   variant's own top token is the baseline's).
@@ -31,9 +32,10 @@
   sequences (running, per step), output tokens/s, and where the model time went (decode-only
   steps: rows, plan-served steps, ms per row; steps with prefill tokens: tokens, tokens after
   cached context, ms per row).
-- ``weights``: batch-1 greedy decode tokens/s with bfloat16, int8 and int4 weights (and int4
-  with int8_activations, "int4_a8") on the "small" model and the real GGUF model (--new-tokens,
-  default 48, after a 16-token prompt).
+- ``weights``: batch-1 greedy decode tokens/s with bfloat16, int8 and int4 weights (and each
+  with int8_activations, "int8_a8" and "int4_a8"; int8_a8 only on builds with the AVX512-VNNI
+  loops, the only ones where int8 layers take them) on the "small" model and the real GGUF
+  model (--new-tokens, default 48, after a 16-token prompt).
 - ``matmul``: one projection of SmolLM2's shapes (bfloat16 activations, int4 groups of 32) at
   1, 4, 8, 16 and 64 rows: pagellm's compiled int4 (with and without int8_activations; and,
   on AVX512-VNNI builds, in panels of 16 columns, the layout int4 layers take there with
@@ -378,9 +380,10 @@ def _fit_in_arrival_order(prompt_lens: list[int], blocks: int, engine) -> int:
 def weights(models: dict[str, str], new_tokens: int, group_size: int) -> dict:
     report = {}
     for label, model in models.items():
-        for method in (None, "int8", "int4", "int4_a8"):
+        a8 = ("int8_a8",) if quant_matmul.has_vnni_loops() else ()  # elsewhere refused
+        for method in (None, "int8", *a8, "int4", "int4_a8"):
             llm = LLM(model, dtype="bfloat16", quantization=method and method[:4],
-                      int8_activations=method == "int4_a8",
+                      int8_activations=bool(method and method.endswith("_a8")),
                       quantization_group_size=group_size, max_model_len=512,
                       kv_cache_memory_bytes=64 << 20)
             prompt = list(range(100, 116))

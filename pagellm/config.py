@@ -79,8 +79,9 @@ class EngineArgs:
     # None: 32 for a GGUF file (its Q4 blocks' groups), else 128, or 64 or 32 where 128
     # does not divide a projection's input width (quantized_linear.default_group_size)
     quantization_group_size: int | None = None
-    # With quantization="int4" or "gguf": multiply the int4 weights (and, with AVX512-VNNI,
-    # the symmetric int8 vocabulary projection) by activations rounded to int8 codes per 32
+    # With quantization="int4", "int8" or "gguf": multiply the int4 weights (and, with
+    # AVX512-VNNI, the symmetric int8 ones; a model with no layer that takes them here is
+    # refused: int8 without those loops) by activations rounded to int8 codes per 32
     # columns (a float32 scale each), with integer dot products, as llama.cpp's Q4 x Q8 and
     # Q8 x Q8 products do: faster small-batch decode on the CPU, at the cost of the
     # activations' rounding (quant_matmul.quantize_activations)
@@ -128,9 +129,9 @@ class EngineArgs:
                 (None, 32, 64, 128, 256))
         _check(isinstance(self.int8_activations, bool), "int8_activations",
                self.int8_activations, "must be True or False")
-        _check(not self.int8_activations or self.quantization in ("int4", "gguf"),
+        _check(not self.int8_activations or self.quantization in ("int4", "int8", "gguf"),
                "int8_activations", self.int8_activations,
-               f"needs quantization='int4' or 'gguf' (got {self.quantization!r})")
+               f"needs quantization='int4', 'int8' or 'gguf' (got {self.quantization!r})")
         _check(self.quantization != "gguf" or self.quantization_group_size is None,
                "quantization_group_size", self.quantization_group_size,
                "does not apply to quantization='gguf', which takes the file's own groups "

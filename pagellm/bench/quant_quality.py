@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 
 from pagellm import LLM, SamplingParams
+from pagellm.model.layers import quant_matmul
 
 
 def quality(model: str, prompts: int, new_tokens: int, group_size: int,
@@ -31,6 +32,8 @@ def quality(model: str, prompts: int, new_tokens: int, group_size: int,
     if variants is None:
         variants = {f"kv_{d}": dict(kv_cache_dtype=d) for d in ("int8", "fp8", "fp8_e5m2")}
         variants["weights_int8"] = dict(quantization="int8")
+        if quant_matmul.has_vnni_loops():  # the only builds whose int8 layers take them
+            variants["weights_int8_a8"] = dict(quantization="int8", int8_activations=True)
         variants["weights_int4"] = dict(quantization="int4", quantization_group_size=group_size)
         variants["weights_int4_a8"] = dict(quantization="int4", quantization_group_size=group_size,
                                            int8_activations=True)

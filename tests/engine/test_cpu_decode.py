@@ -85,7 +85,10 @@ def generate(llm: LLM, prompts, plan: CpuDecodePlan | None, calls: list[int]):
 @pytest.mark.parametrize("options", [
     dict(quantization="int4", quantization_group_size=32),
     dict(quantization="int4", quantization_group_size=32, int8_activations=True),
-    dict(quantization="int8")])
+    dict(quantization="int8"),
+    pytest.param(dict(quantization="int8", int8_activations=True), marks=pytest.mark.skipif(
+        not quant_matmul.has_vnni_loops(), reason="int8 layers take int8 activations only "
+                                                   "with the AVX512-VNNI loops"))])
 def test_plan_gives_the_forward_s_tokens_and_logprobs_exactly(llama_dir, compiled_matmuls,
                                                                options):
     """1, 3 and 12 sequences decoding together (12: with int8 activations the products round

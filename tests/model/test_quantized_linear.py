@@ -139,37 +139,46 @@ def test_gguf_int4_blocks_map_exactly(type_name):
     np.testing.assert_array_equal(layer.dequantized().numpy(), expected)
 
 
-def test_int8_activations_engine_matches_its_definition(model_zoo):
-    """quantization="int4" with int8_activations: the greedy tokens of an engine whose int4
-    projections (and, with AVX512-VNNI, int8 vocabulary projection) multiply their
-    dequantized weight by the activations as quantize_activations rounds them (float32), over
-    prompts whose prefill takes both the compiled small-row products and the GEMM path (32
-    rows), and a decode batch of 3. Without int4 the switch is refused."""
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_int8_activations_engine_matches_its_definition(model_zoo, method):
+    """int8_activations: the greedy tokens of an engine whose int4 projections (with
+    quantization="int4") or int8 ones (with "int8"; and with AVX512-VNNI, the int8
+    vocabulary projection of either) multiply their dequantized weight by the activations as
+    quantize_activations rounds them (float32), over prompts whose prefill takes both the
+    compiled small-row products and the GEMM path (32 rows), and a decode batch of 3.
+    quantization="int8" without the VNNI loops, where no layer takes them, is refused, as is
+    the switch without quantization."""
     import torch.nn.functional as F
 
     from pagellm import LLM, SamplingParams
     from pagellm.model.layers.quant_matmul import GEMM_ROWS, quantize_activations
 
     llama_dir, _ = model_zoo("llama")
-    common = dict(dtype="float32", quantization="int4", quantization_group_size=32,
-                  max_model_len=96, kv_cache_memory_bytes=1 << 20)
+    common = dict(dtype="float32", quantization=method, max_model_len=96,
+                  kv_cache_memory_bytes=1 << 20)
+    if method == "int4":
+        common["quantization_group_size"] = 32
+    vnni = quant_matmul.has_vnni_loops()
+    if method == "int8" and not vnni:
+        with pytest.raises(ValueError, match="no layer of this model takes int8 activations "
+                                             "here: int4 layers take them on every build"):
+            LLM(str(llama_dir), int8_activations=True, **common)
+        return
     fast = LLM(str(llama_dir), int8_activations=True, **common)
     reference = LLM(str(llama_dir), enforce_eager=True, **common)  # runs the forward below
     from pagellm.worker.execution_paths import describe_paths
 
-    def rounding(llm):  # the int4 layers, and the int8 vocabulary projection (per row)
+    def rounding(llm):  # the int4 layers, and the int8 ones (per row) where VNNI
         return [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, Int4Weight)
-                or (isinstance(m, Int8Weight) and m.takes_int8_activations)]
+                or (vnni and isinstance(m, Int8Weight) and m.takes_int8_activations)]
 
     layers = rounding(fast)
-    if not quant_matmul.has_vnni_loops():  # int8 layers take them by default only there
-        layers = [m for m in layers if isinstance(m, Int4Weight)]
-    assert any(isinstance(m, Int8Weight) for m in layers) == quant_matmul.has_vnni_loops()
+    assert any(isinstance(m, Int8Weight) for m in layers) == vnni
+    assert any(isinstance(m, Int4Weight) for m in layers) == (method == "int4")
     assert layers and all(m.int8_activations for m in layers)
     assert (f"(int8 activations for {len(layers)} of them)"
             in describe_paths(fast.llm_engine.runner.model)["matmul"])
-    layers = [m for m in rounding(reference)
-              if isinstance(m, Int4Weight) or quant_matmul.has_vnni_loops()]
+    layers = rounding(reference)
     assert layers and not any(m.int8_activations for m in layers)
     for layer in layers:
         layer.forward = (lambda x, w=layer.dequantized():
@@ -183,8 +192,35 @@ def test_int8_activations_engine_matches_its_definition(model_zoo):
               for llm in (fast, reference)]
     assert tokens[0] == tokens[1]
     with pytest.raises(ValueError, match="int8_activations=True is invalid: needs "
-                                         "quantization='int4' or 'gguf' \\(got 'int8'\\)"):
-        LLM(str(llama_dir), quantization="int8", int8_activations=True)
+                                         "quantization='int4', 'int8' or 'gguf' "
+                                         "\\(got None\\)"):
+        LLM(str(llama_dir), int8_activations=True)
+
+
+@pytest.mark.parametrize("vnni", [False, True])
+def test_use_int8_activations_refuses_a_model_none_of_whose_layers_take_them(vnni,
+                                                                            monkeypatch):
+    """Per-row int8 layers (quantization="int8") take int8 activations where the build has
+    the VNNI loops; elsewhere a model of only those is refused, naming the build, and
+    nothing changes. A zero-point int8 layer never takes them."""
+    from pagellm.model.layers.quantized_linear import use_int8_activations
+
+    if not quant_matmul.available() or (vnni and not quant_matmul.has_vnni_loops()):
+        pytest.skip(f"no such loops here ({quant_matmul.describe()})")
+    monkeypatch.setattr(quant_matmul, "has_vnni_loops", lambda: vnni)
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(*(Int8Weight.quantize(torch.randn(48, 64, generator=gen))
+                                  for _ in range(2)))
+    model.append(Int8Weight(torch.ones(48, 64, dtype=torch.int8), torch.ones(48, 2), 32,
+                            torch.zeros(48, 2)))
+    if not vnni:
+        with pytest.raises(ValueError, match=r"symmetric int8 layers \(2 in this model\) "
+                                             r"only where the build has the AVX512-VNNI"):
+            use_int8_activations(model)
+        assert not any(m.int8_activations for m in model)
+        return
+    assert use_int8_activations(model) == 2
+    assert [m.int8_activations for m in model] == [True, True, False]
 
 
 @pytest.mark.parametrize("zeros", [False, True])

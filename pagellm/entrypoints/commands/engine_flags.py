@@ -59,8 +59,9 @@ HELP = {
     "quantization_group_size": "input columns per int4 scale: 32, 64, 128 or 256 (default: 32 "
                                "for a GGUF file, its Q4 blocks' groups; else 128, or 64 or 32 "
                                "where 128 does not divide a layer's input width)",
-    "int8_activations": "with --quantization int4 or gguf: multiply the int4 layers (and, "
-                        "with AVX512-VNNI, the int8 vocabulary projection) by activations "
+    "int8_activations": "with --quantization int4, int8 or gguf: multiply the int4 layers "
+                        "(and, with AVX512-VNNI, the symmetric int8 ones: int8's, a GGUF's "
+                        "Q8_0 ones, the vocabulary projection) by activations "
                         "rounded to int8 per 32 columns, with integer dot products (as "
                         "llama.cpp's Q4 x Q8 and Q8 x Q8): faster small-batch decode on the "
                         "CPU (AVX512-VNNI or AVX2 loops), adds the activations' rounding "

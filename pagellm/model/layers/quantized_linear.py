@@ -421,11 +421,21 @@ def use_int8_activations(model: nn.Module) -> int:
     """Set int8_activations on every int4 layer of a loaded model, and, where the build has
     the AVX512-VNNI loops (elsewhere the int8 products with int8 activations are plain C and
     were not measured against the float loops), on every int8 one that takes them
-    (symmetric groups of a multiple of 32: a GGUF's Q8_0 vocabulary projection, the
-    per-channel int8 one of quantization="int4"); returns how many."""
+    (symmetric, one scale per row or groups of a multiple of 32: quantization="int8"'s
+    layers, a GGUF's Q8_0 ones, the per-row vocabulary projection of quantization="int4");
+    returns how many. A model with none of those here is refused (ValueError) rather than
+    left as it was."""
     vnni = quant_matmul.has_vnni_loops()
     layers = [m for m in model.modules() if isinstance(m, Int4Weight)
               or (vnni and isinstance(m, Int8Weight) and m.takes_int8_activations)]
+    if not layers:
+        int8 = sum(isinstance(m, Int8Weight) and m.takes_int8_activations
+                   for m in model.modules())
+        raise ValueError(
+            "int8_activations=True: no layer of this model takes int8 activations here: int4 "
+            f"layers take them on every build, symmetric int8 layers ({int8} in this model) "
+            "only where the build has the AVX512-VNNI loops (the quantized matmuls here: "
+            f"{quant_matmul.describe()})")
     for layer in layers:
         layer.int8_activations = True
     return len(layers)
