@@ -77,7 +77,7 @@ class EngineArgs:
     # model/layers/quantized_linear.py
     quantization: str | None = None
     # None: 32 for a GGUF file (its Q4 blocks' groups), else 128, or 64 or 32 where 128
-    # does not divide a projection's input width (quantized_linear.default_group_size)
+    # does not divide a projection's input width (quantized_model.default_group_size)
     quantization_group_size: int | None = None
     # With quantization="int4", "int8" or "gguf": multiply the int4 weights (and, with
     # AVX512-VNNI, the symmetric int8 ones; a model with no layer that takes them here is

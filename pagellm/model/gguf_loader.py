@@ -38,7 +38,7 @@ from pagellm.model.decoder import CausalLM
 from pagellm.model.gguf_codes import INT4_BLOCK_TYPES, INT8_BLOCK_TYPES, int4_codes, int8_codes
 from pagellm.model.gguf_config import field_value, load_gguf_config, open_reader
 from pagellm.model.layers import quant_matmul
-from pagellm.model.layers.quantized_linear import default_group_size
+from pagellm.model.quantized_model import default_group_size
 from pagellm.model.quantize_on_load import QuantizingLoad
 
 # The tensor types whose dequantization (gguf.quants.dequantize) is supported and tested.

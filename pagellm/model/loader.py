@@ -22,8 +22,8 @@ from pagellm.distributed.parallel_state import (TensorParallelGroup, building,
 from pagellm.model.decoder import CausalLM
 from pagellm.model.gguf_config import is_gguf_file, load_gguf_config
 from pagellm.model.layers import default_weight_loader
-from pagellm.model.layers.quantized_linear import (check_supported, default_group_size,
-                                                    quantize_linear, quantize_linear_weights)
+from pagellm.model.quantized_model import (check_supported, default_group_size, quantize_linear,
+                                            quantize_linear_weights)
 from pagellm.model.quantize_on_load import QuantizingLoad
 from pagellm.model.registry import get_model_class
 
@@ -129,7 +129,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     instead, from the checkpoint's values as they stream in (model/quantize_on_load.py,
     model/layers/quantized_linear.py; one rank only); "gguf" (GGUF files only) takes the
     file's blocks as they are (gguf_loader.gguf_method). ``quantization_group_size`` None:
-    quantized_linear.default_group_size."""
+    quantized_model.default_group_size."""
     tp = tp or single_device_group()
     check_supported(quantization, torch.device(device), dtype)
     if quantization is not None and tp.world_size > 1:

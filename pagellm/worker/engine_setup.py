@@ -26,7 +26,7 @@ from pagellm.kv import ContiguousKVCacheManager, KVCacheManager
 from pagellm.lora.manager import LoRAManager
 from pagellm.model.generation_config import load_generation_defaults
 from pagellm.model.layers.linear import heads_per_rank
-from pagellm.model.layers.quantized_linear import use_int8_activations
+from pagellm.model.quantized_model import use_int8_activations
 from pagellm.model.loader import (get_tokenizer, load_config, load_model, resolve_dtype,
                                   resolve_model_path)
 from pagellm.structured_outputs import GrammarCompiler

@@ -465,7 +465,7 @@ def test_int4_layer_with_int8_activations(build):
     of 32), and on no other."""
     from torch import nn
 
-    from pagellm.model.layers.quantized_linear import use_int8_activations
+    from pagellm.model.quantized_model import use_int8_activations
 
     weight, x = inputs(48, 128, torch.bfloat16, 3)
     layer = Int4Weight.quantize(weight, 32)

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from pagellm.model.layers import quant_matmul
-from pagellm.model.layers.quantized_linear import Int4Weight, Int8Weight, check_supported
+from pagellm.model.layers.quantized_linear import Int4Weight, Int8Weight
+from pagellm.model.quantized_model import check_supported
 from pagellm.model.loader import load_model
 
 
@@ -64,7 +65,7 @@ def test_unset_group_size_takes_the_largest_that_divides_every_input_width(model
     divides is refused, and so is a given group that does not divide a width, naming the
     ones that would."""
     from pagellm.model.layers.linear import Linear
-    from pagellm.model.layers.quantized_linear import default_group_size
+    from pagellm.model.quantized_model import default_group_size
 
     llama_dir, _ = model_zoo("llama")
     model, _ = load_model(llama_dir, dtype=torch.float32, quantization="int4")
@@ -203,7 +204,7 @@ def test_use_int8_activations_refuses_a_model_none_of_whose_layers_take_them(vnn
     """Per-row int8 layers (quantization="int8") take int8 activations where the build has
     the VNNI loops; elsewhere a model of only those is refused, naming the build, and
     nothing changes. A zero-point int8 layer never takes them."""
-    from pagellm.model.layers.quantized_linear import use_int8_activations
+    from pagellm.model.quantized_model import use_int8_activations
 
     if not quant_matmul.available() or (vnni and not quant_matmul.has_vnni_loops()):
         pytest.skip(f"no such loops here ({quant_matmul.describe()})")
