@@ -39,7 +39,9 @@
 - ``matmul``: one projection of SmolLM2's shapes (bfloat16 activations, int4 groups of 32) at
   1, 4, 8, 16 and 64 rows: pagellm's compiled int4 (with and without int8_activations; and,
   on AVX512-VNNI builds, in panels of 16 columns, the layout int4 layers take there with
-  int8_activations) and int8 products beside torch's weight-only kernels and the engine's
+  int8_activations) and int8 products (per row; on AVX512-VNNI builds also in panels with
+  int8 activations, quantization="int8" with int8_activations) beside torch's weight-only
+  kernels and the engine's
   bfloat16 projection (packed for oneDNN, or its float32 route), interleaved, the fastest of
   --iters rounds.
 - ``crossover``: one decoder layer's projections (SmolLM2's and the "small" model's shapes),
@@ -424,6 +426,11 @@ def matmul(rounds: int) -> dict:
         torch4_params = params.transpose(0, 1).contiguous()
         q8, scale8 = int8_quantize(weight, torch.bfloat16)
         ours8 = quant_matmul.QuantizedMatmul("int8", q8, scale8, in_features)
+        panels8 = None
+        if quant_matmul.has_vnni_loops():  # quantization="int8" with int8 activations
+            panels8 = quant_matmul.QuantizedMatmul(
+                "int8_panels", *quant_panels.pack_int8_panels(q8, scale8), in_features,
+                out_features=out_features)
         plain = Linear(in_features, out_features).bfloat16()  # the engine's bfloat16 route
         plain.weight.data = weight.bfloat16()
         plain.pack()
@@ -436,6 +443,7 @@ def matmul(rounds: int) -> dict:
                 "torch_int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x, torch4, 32, torch4_params),
                 "pagellm_int8": lambda: ours8(x),
+                **({"pagellm_int8_panels": lambda: panels8(x)} if panels8 else {}),
                 "torch_int8": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scale8),
                 "pagellm_bfloat16": lambda: plain(x)}
             calls = max(1, int(2e7 / (out_features * in_features * rows)))
