@@ -235,20 +235,28 @@ def test_amx_int8_values_match_the_reference(head_dim, num_heads, num_kv_heads, 
     head sum to 1 over the context, so every output is the float64 reference's rounded to
     bfloat16 up to 32 keys per block x 127 (the largest code) x the largest row scale /
     131070, plus the float32 scores' and exp's error (the table kernels' bfloat16 weights
-    are off by up to 2^-9 of themselves). Blocks
-    of 1, 16, 32 and 40 keys, partial blocks, 1 to 9 query heads per KV head."""
+    are off by up to 2^-9 of themselves). With 9 query heads per KV head the switch changes
+    nothing. Blocks of 1, 16, 32 and 40 keys, partial blocks."""
     if not cpu_kernel.use_amx_int8_values(True):
         pytest.skip("no AMX-INT8 in this build")
+    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1), (33, 1)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+        batch, block_size, torch.bfloat16, "int8", num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, seed=block_size)
+    scale = head_dim ** -0.5
+    outs = []
     try:
-        assert "AMX-INT8" in cpu_kernel.vector_paths()["8-bit"]
-        batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1), (33, 1)]
-        q, k, v, cache, metadata, tables, seq_lens = quantized_step(
-            batch, block_size, torch.bfloat16, "int8", num_heads=num_heads,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, seed=block_size)
-        scale = head_dim ** -0.5
-        out = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, None)
+        for on in (True, False):  # the first call stores the step's rows, the second again
+            cpu_kernel.use_amx_int8_values(on)
+            assert ("AMX-INT8" in cpu_kernel.vector_paths()["8-bit"]) == on
+            outs.append(quantized_backend.paged_attention(q, k, v, cache, metadata, scale,
+                                                          None))
     finally:
         cpu_kernel.use_amx_int8_values(False)
+    if num_heads // num_kv_heads > 8:  # the switch changes nothing there
+        assert torch.equal(outs[0], outs[1])
+        return
+    out = outs[0]
     expected = reference(q, cache, batch, seq_lens, tables, scale, None)
     row_scales = cache.value[..., head_dim:].contiguous().view(torch.bfloat16).double()
     largest_value = kv_quant.dequantized_cache(cache)[1].abs().max().item()
