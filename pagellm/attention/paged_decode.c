@@ -42,6 +42,9 @@
 #define USE_AVX512_BF16 1
 #if defined(__AVX512VBMI__)
 #define USE_Q8_PLANES 1 /* the 8-bit caches' table lookups ("AVX512-VBMI" below) */
+#if defined(__AVX512VNNI__)
+#define USE_Q8_VNNI 1   /* and int8's integer products ("AVX512-VNNI" below) */
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define USE_Q8_AMX 1    /* and their tile products ("AMX" below) */
 #if defined(__AMX_INT8__)
@@ -1309,6 +1312,217 @@ Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
 Q8_PLANES_INSTANCE(int8)
 Q8_PLANES_INSTANCE(e4m3)
 Q8_PLANES_INSTANCE(e5m2)
+#ifdef USE_Q8_VNNI
+/* AVX512-VNNI, int8 caches (bfloat16 queries, head_dim a multiple of 64): both passes
+   multiply the codes as they are stored, as integers, instead of their bfloat16 values: no
+   decoding, and the scores' keys in lanes instead of a reduction tree.
+   Pass 1: each query head in 16-bit fixed point of its largest |q|, q16 = round(q * 32639 /
+   max|q|) = 256 qh + ql with qh, ql signed bytes (laid out once per call, vnni_queries), and
+   the key codes k as unsigned bytes k + 128: VPDPBUSD sums four dimensions of 16 keys at a
+   time (the key rows' 4-byte groups transposed, 16 x 16, so that lane j is key j), hi and lo
+   separately; 256 hi + lo - 128 sum(q16) = sum(q16 k), exact in int32 (wrapping in between).
+   The score is that times the key row's scale and max|q| / 32639; each query element is off
+   by at most max|q| / 65278 where the bfloat16 query is exact.
+   Pass 2: the scaled weights x_i = w_i * sc_i (>= 0) of a head in 15-bit fixed point of their
+   maximum m over the (block, head) step, u = round(x * 32767 / m), key pairs (u_i, u_i+1)
+   against the two keys' codes widened to 16 bits (VPDPWSSD), sums exact in int32 (at most
+   32 keys * 32767 * 127), then out += (m / 32767) sum. Each weight is off by at most
+   m / 65534 where a bfloat16 one is off by up to 2^-9 of itself. */
+INLINE int8_t* vnni_query(const decode_args* a, int64_t r) { /* qh[D], ql[D], C, factor */
+  const int64_t rows = a->num_seqs * a->num_heads;
+  return (int8_t*)(a->workspace + rows * row_floats(a) + a->num_threads * rows * a->head_dim
+                   + r * (a->head_dim / 2 + 2));
+}
+INLINE void vnni_queries(const decode_args* a, int phase, const int64_t D, const int64_t G) {
+  (void)G;
+  if (phase != 0) return;
+  _Pragma("omp for schedule(static)")
+  for (int64_t r = 0; r < a->num_seqs * a->num_heads; r++) {
+    const bf16_t* q = (const bf16_t*)a->q + r * D;
+    int8_t* out = vnni_query(a, r);
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16)
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(q + d))), 16))));
+    const float m = _mm512_reduce_max_ps(mx);
+    const __m512 f = _mm512_set1_ps(m > 0.0f ? 32639.0f / m : 0.0f);
+    __m512i total = _mm512_setzero_si512();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(q + d))), 16));
+      const __m512i q16 = _mm512_cvtps_epi32(_mm512_mul_ps(x, f)); /* |q16| <= 32639 */
+      const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q16, _mm512_set1_epi32(128)), 8);
+      _mm_storeu_si128((__m128i*)(out + d), _mm512_cvtepi32_epi8(hi));
+      _mm_storeu_si128((__m128i*)(out + D + d),
+                       _mm512_cvtepi32_epi8(_mm512_sub_epi32(q16, _mm512_slli_epi32(hi, 8))));
+      total = _mm512_add_epi32(total, q16);
+    }
+    const int32_t c = 128 * _mm512_reduce_add_epi32(total);
+    const float factor = m > 0.0f ? a->scale * m / 32639.0f : 0.0f;
+    memcpy(out + 2 * D, &c, sizeof c);
+    memcpy(out + 2 * D + 4, &factor, sizeof factor);
+  }
+}
+/* Lane j of t[m] = lane m of r[j] (16 x 16 int32). */
+INLINE void transpose16(const __m512i* r, __m512i* t) {
+  __m512i x[16], y[16];
+  for (int i = 0; i < 8; i++) {
+    x[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    x[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) { /* y[4i + k], lane L: element 4L + k of rows 4i.. 4i + 3 */
+    y[4 * i] = _mm512_unpacklo_epi64(x[4 * i], x[4 * i + 2]);
+    y[4 * i + 1] = _mm512_unpackhi_epi64(x[4 * i], x[4 * i + 2]);
+    y[4 * i + 2] = _mm512_unpacklo_epi64(x[4 * i + 1], x[4 * i + 3]);
+    y[4 * i + 3] = _mm512_unpackhi_epi64(x[4 * i + 1], x[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; k++) {
+    const __m512i a0 = _mm512_shuffle_i32x4(y[k], y[4 + k], 0x44);
+    const __m512i a1 = _mm512_shuffle_i32x4(y[k], y[4 + k], 0xEE);
+    const __m512i b0 = _mm512_shuffle_i32x4(y[8 + k], y[12 + k], 0x44);
+    const __m512i b1 = _mm512_shuffle_i32x4(y[8 + k], y[12 + k], 0xEE);
+    t[k] = _mm512_shuffle_i32x4(a0, b0, 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(a0, b0, 0xDD);
+    t[8 + k] = _mm512_shuffle_i32x4(a1, b1, 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(a1, b1, 0xDD);
+  }
+}
+/* The bfloat16 scales of rows [0, n) (n <= 16, lanes past n zero) as float32: one gather of
+   each row's last two code bytes and its scale (nothing read past the row). */
+INLINE __m512 row_scales16(const uint8_t* rows, int64_t stride, int64_t n, const int64_t D) {
+  const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+  const __m512i at = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32((int)stride));
+  const __m512i x = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at,
+                                                rows + D - 2, 1);
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+INLINE __m512i bcast4(const int8_t* p) {
+  int32_t x;
+  memcpy(&x, p, sizeof x);
+  return _mm512_set1_epi32(x);
+}
+INLINE void score_rows_int8_vnni(const decode_args* a, const uint8_t* k, int64_t ks, int64_t n,
+                                 int64_t r0, float* out, int64_t rf, const int64_t D,
+                                 const int64_t G) {
+  __m512i sums[BF16_TILE_GROUP]; /* per head, over the chunks of 64 dimensions */
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t nn = n - i0 < 16 ? n - i0 : 16;
+    const __mmask16 m = nn == 16 ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
+    for (int64_t dc = 0; dc < D; dc += 64) {
+      __m512i r[16], t[16];
+      for (int64_t j = 0; j < 16; j++) {
+        if (j < nn) prefetch_step();
+        r[j] = j < nn ? _mm512_xor_si512(_mm512_loadu_si512(k + (i0 + j) * ks + dc),
+                                         _mm512_set1_epi8((char)0x80))
+                      : _mm512_setzero_si512();
+      }
+      transpose16(r, t);
+      for (int64_t g = 0; g < G; g++) {
+        const int8_t* qg = vnni_query(a, r0 + g) + dc;
+        __m512i hi = _mm512_setzero_si512(), lo = _mm512_setzero_si512();
+        for (int u = 0; u < 16; u++) {
+          hi = _mm512_dpbusd_epi32(hi, t[u], bcast4(qg + 4 * u));
+          lo = _mm512_dpbusd_epi32(lo, t[u], bcast4(qg + D + 4 * u));
+        }
+        const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
+        sums[g] = dc == 0 ? s : _mm512_add_epi32(sums[g], s);
+      }
+    }
+    const __m512 scales = row_scales16(k + i0 * ks, ks, nn, D);
+    for (int64_t g = 0; g < G; g++) {
+      const int8_t* qg = vnni_query(a, r0 + g);
+      int32_t c;
+      float factor;
+      memcpy(&c, qg + 2 * D, sizeof c);
+      memcpy(&factor, qg + 2 * D + 4, sizeof factor);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[g], _mm512_set1_epi32(c)));
+      _mm512_mask_storeu_ps(out + g * rf + i0, m, _mm512_mul_ps(
+          _mm512_mul_ps(dot, scales), _mm512_set1_ps(factor)));
+    }
+  }
+}
+/* The 15-bit weights of G heads for n keys: wq[g * TILE_KEYS + i] (zeros up to the next even
+   i), their scales wf[g]. */
+INLINE void vnni_weights(const uint8_t* v, int64_t vs, int64_t n, const float* w, int64_t rf,
+                         const int64_t D, const int64_t G, int16_t* wq, float* wf) {
+  const __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+  const __mmask16 m1 = n >= 32 ? (__mmask16)0xffff
+                     : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : (__mmask16)0;
+  const __m512 s0 = row_scales16(v, vs, n, D);
+  const __m512 s1 = n > 16 ? row_scales16(v + 16 * vs, vs, n - 16, D) : _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g++) {
+    const __m512 x0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, w + g * rf), s0);
+    const __m512 x1 = n > 16 ? _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, w + g * rf + 16), s1)
+                             : _mm512_setzero_ps();
+    const float mx = _mm512_reduce_max_ps(n > 16 ? _mm512_max_ps(x0, x1) : x0);
+    const __m512 f = _mm512_set1_ps(mx > 0.0f ? 32767.0f / mx : 0.0f);
+    wf[g] = mx > 0.0f ? mx / 32767.0f : 0.0f;
+    _mm256_storeu_si256((__m256i*)(wq + g * TILE_KEYS),
+                        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, f))));
+    if (n > 16)
+      _mm256_storeu_si256((__m256i*)(wq + g * TILE_KEYS + 16),
+                          _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x1, f))));
+  }
+}
+INLINE void value_rows_int8_vnni(const decode_args* a, const uint8_t* v, int64_t vs, int64_t n,
+                                 float* w, int64_t rf, float* acc, const int64_t D,
+                                 const int64_t G) {
+  (void)a;
+  int16_t wq[BF16_TILE_GROUP * TILE_KEYS];
+  float wf[BF16_TILE_GROUP];
+  vnni_weights(v, vs, n, w, rf, D, G, wq, wf);
+  /* The sums s[g][c] of a chunk of 64 dimensions: lane 4 L + t of s[g][2 h] (s[g][2 h + 1])
+     holds dimension 32 h + 8 L + t (+ 4), t < 4 (the unpacks work within 128-bit lanes);
+     lo_dims and hi_dims put a pair of them back in order, dimensions 32 h.. + 15, + 16.. */
+  const __m512i lo_dims = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4,
+                                           19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i hi_dims = _mm512_add_epi32(lo_dims, _mm512_set1_epi32(8));
+  for (int64_t dc = 0; dc < D; dc += 64) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t gn = G - g0 < 4 ? G - g0 : 4;
+      __m512i s[4][4];
+      for (int64_t g = 0; g < gn; g++)
+        for (int c = 0; c < 4; c++) s[g][c] = _mm512_setzero_si512();
+      for (int64_t i = 0; i < n; i += 2) {
+        if (g0 == 0) PREFETCH_STEPS(128, uint8_t); /* the two keys' 64 dimensions */
+        const __m512i x = _mm512_loadu_si512(v + i * vs + dc);
+        const __m512i y = i + 1 < n ? _mm512_loadu_si512(v + (i + 1) * vs + dc)
+                                    : _mm512_setzero_si512();
+        const __m512i x0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(x));
+        const __m512i x1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(x, 1));
+        const __m512i y0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(y));
+        const __m512i y1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(y, 1));
+        const __m512i p[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                              _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+        for (int64_t g = 0; g < gn; g++) {
+          int32_t pair;
+          memcpy(&pair, wq + (g0 + g) * TILE_KEYS + i, sizeof pair);
+          const __m512i wp = _mm512_set1_epi32(pair);
+          for (int c = 0; c < 4; c++) s[g][c] = _mm512_dpwssd_epi32(s[g][c], p[c], wp);
+        }
+      }
+      for (int64_t g = 0; g < gn; g++) {
+        float* ag = acc + (g0 + g) * D + dc;
+        const __m512 f = _mm512_set1_ps(wf[g0 + g]);
+        for (int h = 0; h < 2; h++) { /* dims 32 h.. 32 h + 31 */
+          const __m512i a0 = _mm512_permutex2var_epi32(s[g][2 * h], lo_dims, s[g][2 * h + 1]);
+          const __m512i a1 = _mm512_permutex2var_epi32(s[g][2 * h], hi_dims, s[g][2 * h + 1]);
+          float* ah = ag + 32 * h;
+          _mm512_storeu_ps(ah, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), f, _mm512_loadu_ps(ah)));
+          _mm512_storeu_ps(ah + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), f,
+                                                    _mm512_loadu_ps(ah + 16)));
+        }
+      }
+    }
+  }
+}
+DEFINE_Q8_KERNEL(kernel_q8_bf16_int8_vnni, bf16, TILE_KEYS, vnni_queries, score_rows_int8_vnni,
+                 value_rows_int8_vnni)
+DISPATCH_Q8(run_q8_bf16_int8_vnni, kernel_q8_bf16_int8_vnni)
+static int vnni_int8_wanted = 1;
+#endif
 #ifdef USE_Q8_AMX
 /* AMX (the tile instructions and their bfloat16 products, Sapphire Rapids and later; head_dim
    a multiple of 64, at most 16 query heads per KV head): the table kernels' decoding, and the
@@ -1679,9 +1893,16 @@ int paged_decode_amx_int8(int on) {
 #else
 #define AMX(FMT, a)
 #endif
+#ifdef USE_Q8_VNNI
+#define VNNI(FMT, a)                                                                         \
+  if (FMT##_is_int8 && vnni_int8_wanted) { run_q8_bf16_int8_vnni(a); return; }
+#else
+#define VNNI(FMT, a)
+#endif
 #define PLANES(FMT, a)                                                                       \
   if (a->head_dim % 64 == 0) {                                                               \
     AMX(FMT, a)                                                                              \
+    VNNI(FMT, a)                                                                             \
     run_q8_bf16_##FMT##_planes(a); return;                                                   \
   }
 #else
@@ -1733,7 +1954,7 @@ Q8_AVX2_INSTANCE(bf16, int8)
 Q8_AVX2_INSTANCE(bf16, e4m3)
 Q8_AVX2_INSTANCE(bf16, e5m2)
 #endif
-enum { f32_is_bf16 = 0, bf16_is_bf16 = 1 };
+enum { f32_is_bf16 = 0, bf16_is_bf16 = 1, int8_is_int8 = 1, e4m3_is_int8 = 0, e5m2_is_int8 = 0 };
 #ifdef USE_Q8_AVX512
 #define Q8_ENTRY(QT, FMT, PORTABLE)                                                          \
   void paged_decode_attention_q8_##QT##_##FMT(const decode_args* a) {                        \
@@ -1764,6 +1985,18 @@ Q8_ENTRY(bf16, e5m2, q8_bf16_lut)
 int paged_decode_amx(int on) { (void)on; return 0; }
 int paged_decode_amx_int8(int on) { (void)on; return 0; }
 #endif
+/* Whether int8 caches take the AVX512-VNNI kernel (where the build has it and the AMX
+   kernels do not run): paged_decode_vnni_int8(0) turns it off (the table kernels run), (1)
+   on; -1 only asks. On by default. */
+int paged_decode_vnni_int8(int on) {
+#ifdef USE_Q8_VNNI
+  if (on >= 0) vnni_int8_wanted = on;
+  return vnni_int8_wanted;
+#else
+  (void)on;
+  return 0;
+#endif
+}
 
 #endif
 
@@ -1773,7 +2006,8 @@ int paged_decode_amx_int8(int on) { (void)on; return 0; }
    8-bit caches' AVX512-VBMI tables (bfloat16 queries, head_dim a multiple of 64), bit 5 their
    AMX products (used where the OS grants the tiles: paged_decode_amx), bit 6 their integer
    products for int8 values (AMX-INT8, up to 8 query heads per KV head; used where
-   paged_decode_amx_int8 turns them on). */
+   paged_decode_amx_int8 turns them on), bit 7 the int8 caches' AVX512-VNNI kernel (where
+   the AMX ones do not run, unless paged_decode_vnni_int8 turns it off). */
 int paged_decode_features(void) {
   int f = 0;
 #ifdef USE_AVX512
@@ -1796,6 +2030,9 @@ int paged_decode_features(void) {
 #endif
 #ifdef USE_Q8_AMX_INT8
   f |= 64;
+#endif
+#ifdef USE_Q8_VNNI
+  f |= 128;
 #endif
   return f;
 }

@@ -182,7 +182,7 @@ def test_each_build_has_the_inner_loops_its_isa_allows(build):
     """Each build uses the vector loops its instruction set has, so that the tests above
     exercise the loops each kind of CPU runs: native ones where this CPU has AVX-512 (with
     its bfloat16 dot products, and with AVX512-VBMI the 8-bit caches' table lookups, with AMX
-    their tile products) or
+    their tile products, with AVX512-VNNI int8's integer products) or
     AVX2, AVX-512 float32 and 8-bit loops with AVX2 bfloat16 ones at x86-64-v4, AVX2 loops at
     x86-64-v3, plain C in the portable build."""
     library = kernel_build(build).load()
@@ -198,5 +198,7 @@ def test_each_build_has_the_inner_loops_its_isa_allows(build):
                                     "amx_bf16"} <= flags)
     assert bool(features & 64) == ({"avx512f", "avx512_bf16", "avx512vbmi", "amx_tile",
                                     "amx_bf16", "amx_int8"} <= flags)
+    assert bool(features & 128) == ({"avx512f", "avx512_bf16", "avx512vbmi",
+                                     "avx512_vnni"} <= flags)
     assert bool(features & 8) == ({"avx2", "fma", "f16c"} <= flags  # AVX2 loops for some
                                   and not {"avx512f", "avx512_bf16"} <= flags)

@@ -283,11 +283,62 @@ def test_amx_products_match_the_table_kernels(fmt_name, head_dim, num_heads, num
         num_kv_heads=num_kv_heads, head_dim=head_dim, seed=block_size)
     scale = head_dim ** -0.5
     outs = {}
-    for on in (True, False):  # the first call stores the step's rows, the second again
-        cpu_kernel.use_amx(on)
-        assert (cpu_kernel.vector_paths()["8-bit"] == "AMX") == on
-        outs[on] = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, None)
+    vnni = cpu_kernel.use_vnni_int8()
+    cpu_kernel.use_vnni_int8(False)  # the table kernels, not int8's VNNI one
+    try:
+        for on in (True, False):  # the first call stores the step's rows, the second again
+            cpu_kernel.use_amx(on)
+            assert (cpu_kernel.vector_paths()["8-bit"] == "AMX") == on
+            outs[on] = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, None)
+    finally:
+        cpu_kernel.use_vnni_int8(vnni)
     expected = reference(q, cache, batch, seq_lens, tables, scale, None)
     for out in outs.values():
         torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=1e-3, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size, window",
+                         [(64, 12, 4, 16, None), (128, 8, 8, 1, None), (256, 8, 2, 32, 20),
+                          (64, 8, 1, 40, None), (128, 16, 2, 16, 7), (64, 17, 1, 16, None)])
+def test_vnni_int8_matches_the_reference(head_dim, num_heads, num_kv_heads, block_size,
+                                         window):
+    """Where the build has AVX512-VNNI (and the AMX kernels do not run), bfloat16 decodes over
+    an int8 cache multiply the codes as integers (use_vnni_int8): the queries in 16-bit fixed
+    point of their largest element (each off by at most max|q| / 65278, so each score by at
+    most head_dim x max|k| x max|q| x scale / 65278 and each output by about twice that
+    times max|v|), the weights times the rows' scales in 15-bit fixed point of their (block,
+    head)'s largest (the outputs off by at most 32 keys x 127 x the largest row scale /
+    65534). Within those bounds of the float64 reference rounded to bfloat16, no further
+    from it on average than the table kernels (bfloat16 weights, exact bfloat16 queries),
+    whose results the switch brings back. 1 to 17 query heads per KV head (in fours),
+    blocks of 1 to 40 keys, partial blocks, sliding windows."""
+    if not cpu_kernel.available() or not cpu_kernel.use_vnni_int8():
+        pytest.skip("no AVX512-VNNI int8 kernel in this build")
+    if cpu_kernel.use_amx():
+        pytest.skip("the AMX kernels take these steps here")
+    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1), (33, 1)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+        batch, block_size, torch.bfloat16, "int8", num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, seed=block_size)
+    scale = head_dim ** -0.5
+    outs = []
+    try:
+        for on in (True, False):  # the first call stores the step's rows, the second again
+            cpu_kernel.use_vnni_int8(on)
+            assert ("AVX512-VNNI" in cpu_kernel.vector_paths()["8-bit"]) == on
+            outs.append(quantized_backend.paged_attention(q, k, v, cache, metadata, scale,
+                                                          window).double())
+    finally:
+        cpu_kernel.use_vnni_int8(True)
+    expected = reference(q, cache, batch, seq_lens, tables, scale, window)
+    keys, values = kv_quant.dequantized_cache(cache)
+    largest_key, largest_value = keys.abs().max().item(), values.abs().max().item()
+    score_error = head_dim * largest_key * q.abs().max().item() * scale / 65278
+    row_scales = cache.value[..., head_dim:].contiguous().view(torch.bfloat16).double()
+    bound = (2.1 * score_error * largest_value + 32 * 127 * row_scales.max().item() / 65534
+             + 2 ** -16 * largest_value)  # the last: the float32 scores and exp
+    half_ulp = 2.0 ** (torch.floor(torch.log2(expected.abs() + bound)) - 8)
+    errors = [(out - expected).abs() for out in outs]
+    assert (errors[0] <= half_ulp + bound).all()
+    assert errors[0].mean() <= errors[1].mean()
