@@ -213,6 +213,29 @@ def test_compiled_store_writes_the_quantizer_s_bytes(fmt_name, dtype):
     assert caches[1].key.flatten(0, 1)[slots[slots >= 0]].any()
 
 
+def int8_step_both_ways(switch, path, after, head_dim, num_heads, num_kv_heads, block_size,
+                        window=None):
+    """A bfloat16 decode step over an int8 cache with a kernel switch on, then off (the
+    first call stores the step's rows, the second again), vector_paths naming ``path`` only
+    while on; the switch is left at ``after``. Returns the query, the cache, the two outputs
+    and the float64 reference."""
+    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1), (33, 1)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+        batch, block_size, torch.bfloat16, "int8", num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, seed=block_size)
+    scale = head_dim ** -0.5
+    outs = []
+    try:
+        for on in (True, False):
+            switch(on)
+            assert (path in cpu_kernel.vector_paths()["8-bit"]) == on
+            outs.append(quantized_backend.paged_attention(q, k, v, cache, metadata, scale,
+                                                          window))
+    finally:
+        switch(after)
+    return q, cache, outs, reference(q, cache, batch, seq_lens, tables, scale, window)
+
+
 @pytest.fixture
 def amx():
     """The 8-bit kernels' AMX products on (skipped where the build or the OS has none), and
@@ -239,25 +262,13 @@ def test_amx_int8_values_match_the_reference(head_dim, num_heads, num_kv_heads, 
     nothing. Blocks of 1, 16, 32 and 40 keys, partial blocks."""
     if not cpu_kernel.use_amx_int8_values(True):
         pytest.skip("no AMX-INT8 in this build")
-    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1), (33, 1)]
-    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
-        batch, block_size, torch.bfloat16, "int8", num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, seed=block_size)
-    scale = head_dim ** -0.5
-    outs = []
-    try:
-        for on in (True, False):  # the first call stores the step's rows, the second again
-            cpu_kernel.use_amx_int8_values(on)
-            assert ("AMX-INT8" in cpu_kernel.vector_paths()["8-bit"]) == on
-            outs.append(quantized_backend.paged_attention(q, k, v, cache, metadata, scale,
-                                                          None))
-    finally:
-        cpu_kernel.use_amx_int8_values(False)
+    _, cache, outs, expected = int8_step_both_ways(
+        cpu_kernel.use_amx_int8_values, "AMX-INT8", False, head_dim, num_heads, num_kv_heads,
+        block_size)
     if num_heads // num_kv_heads > 8:  # the switch changes nothing there
         assert torch.equal(outs[0], outs[1])
         return
     out = outs[0]
-    expected = reference(q, cache, batch, seq_lens, tables, scale, None)
     row_scales = cache.value[..., head_dim:].contiguous().view(torch.bfloat16).double()
     largest_value = kv_quant.dequantized_cache(cache)[1].abs().max().item()
     bound = (32 * 127 * row_scales.max().item() / 131070
@@ -317,21 +328,10 @@ def test_vnni_int8_matches_the_reference(head_dim, num_heads, num_kv_heads, bloc
         pytest.skip("no AVX512-VNNI int8 kernel in this build")
     if cpu_kernel.use_amx():
         pytest.skip("the AMX kernels take these steps here")
-    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1), (33, 1)]
-    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
-        batch, block_size, torch.bfloat16, "int8", num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, seed=block_size)
+    q, cache, outs, expected = int8_step_both_ways(
+        cpu_kernel.use_vnni_int8, "AVX512-VNNI", True, head_dim, num_heads, num_kv_heads,
+        block_size, window)
     scale = head_dim ** -0.5
-    outs = []
-    try:
-        for on in (True, False):  # the first call stores the step's rows, the second again
-            cpu_kernel.use_vnni_int8(on)
-            assert ("AVX512-VNNI" in cpu_kernel.vector_paths()["8-bit"]) == on
-            outs.append(quantized_backend.paged_attention(q, k, v, cache, metadata, scale,
-                                                          window).double())
-    finally:
-        cpu_kernel.use_vnni_int8(True)
-    expected = reference(q, cache, batch, seq_lens, tables, scale, window)
     keys, values = kv_quant.dequantized_cache(cache)
     largest_key, largest_value = keys.abs().max().item(), values.abs().max().item()
     score_error = head_dim * largest_key * q.abs().max().item() * scale / 65278
@@ -339,6 +339,6 @@ def test_vnni_int8_matches_the_reference(head_dim, num_heads, num_kv_heads, bloc
     bound = (2.1 * score_error * largest_value + 32 * 127 * row_scales.max().item() / 65534
              + 2 ** -16 * largest_value)  # the last: the float32 scores and exp
     half_ulp = 2.0 ** (torch.floor(torch.log2(expected.abs() + bound)) - 8)
-    errors = [(out - expected).abs() for out in outs]
+    errors = [(out.double() - expected).abs() for out in outs]
     assert (errors[0] <= half_ulp + bound).all()
     assert errors[0].mean() <= errors[1].mean()
