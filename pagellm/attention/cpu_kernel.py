@@ -91,7 +91,7 @@ def vector_paths() -> dict[str, str]:
     features = library.paged_decode_features() if library is not None else 0
     avx2 = "AVX2" if features & 8 else "plain C"
     q8 = "AVX-512 VBMI" if features & 16 else "AVX-512" if features & 4 else avx2
-    if features & 16 and use_vnni_int8():
+    if use_vnni_int8():  # built only beside the tables (bit 16)
         q8 += ", int8 by AVX512-VNNI"
     return {"float32": "AVX-512" if features & 1 else avx2,
             "bfloat16": "AVX-512 BF16" if features & 2 else avx2,

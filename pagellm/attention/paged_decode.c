@@ -1333,6 +1333,14 @@ INLINE int8_t* vnni_query(const decode_args* a, int64_t r) { /* qh[D], ql[D], C,
   return (int8_t*)(a->workspace + rows * row_floats(a) + a->num_threads * rows * a->head_dim
                    + r * (a->head_dim / 2 + 2));
 }
+INLINE __m512 load16_bf16(const bf16_t* p) { /* 16 bfloat16 values as float32 */
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+/* The first n of 16 lanes (none for n <= 0). */
+INLINE __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
 INLINE void vnni_queries(const decode_args* a, int phase, const int64_t D, const int64_t G) {
   (void)G;
   if (phase != 0) return;
@@ -1342,15 +1350,13 @@ INLINE void vnni_queries(const decode_args* a, int phase, const int64_t D, const
     int8_t* out = vnni_query(a, r);
     __m512 mx = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16)
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(q + d))), 16))));
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(load16_bf16(q + d)));
     const float m = _mm512_reduce_max_ps(mx);
     const __m512 f = _mm512_set1_ps(m > 0.0f ? 32639.0f / m : 0.0f);
     __m512i total = _mm512_setzero_si512();
     for (int64_t d = 0; d < D; d += 16) {
-      const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(q + d))), 16));
-      const __m512i q16 = _mm512_cvtps_epi32(_mm512_mul_ps(x, f)); /* |q16| <= 32639 */
+      /* |q16| <= 32639 */
+      const __m512i q16 = _mm512_cvtps_epi32(_mm512_mul_ps(load16_bf16(q + d), f));
       const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q16, _mm512_set1_epi32(128)), 8);
       _mm_storeu_si128((__m128i*)(out + d), _mm512_cvtepi32_epi8(hi));
       _mm_storeu_si128((__m128i*)(out + D + d),
@@ -1390,7 +1396,7 @@ INLINE void transpose16(const __m512i* r, __m512i* t) {
 /* The bfloat16 scales of rows [0, n) (n <= 16, lanes past n zero) as float32: one gather of
    each row's last two code bytes and its scale (nothing read past the row). */
 INLINE __m512 row_scales16(const uint8_t* rows, int64_t stride, int64_t n, const int64_t D) {
-  const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+  const __mmask16 m = first_lanes(n);
   const __m512i at = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32((int)stride));
@@ -1409,7 +1415,7 @@ INLINE void score_rows_int8_vnni(const decode_args* a, const uint8_t* k, int64_t
   __m512i sums[BF16_TILE_GROUP]; /* per head, over the chunks of 64 dimensions */
   for (int64_t i0 = 0; i0 < n; i0 += 16) {
     const int64_t nn = n - i0 < 16 ? n - i0 : 16;
-    const __mmask16 m = nn == 16 ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
+    const __mmask16 m = first_lanes(nn);
     for (int64_t dc = 0; dc < D; dc += 64) {
       __m512i r[16], t[16];
       for (int64_t j = 0; j < 16; j++) {
@@ -1447,9 +1453,7 @@ INLINE void score_rows_int8_vnni(const decode_args* a, const uint8_t* k, int64_t
    i), their scales wf[g]. */
 INLINE void vnni_weights(const uint8_t* v, int64_t vs, int64_t n, const float* w, int64_t rf,
                          const int64_t D, const int64_t G, int16_t* wq, float* wf) {
-  const __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-  const __mmask16 m1 = n >= 32 ? (__mmask16)0xffff
-                     : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : (__mmask16)0;
+  const __mmask16 m0 = first_lanes(n), m1 = first_lanes(n - 16);
   const __m512 s0 = row_scales16(v, vs, n, D);
   const __m512 s1 = n > 16 ? row_scales16(v + 16 * vs, vs, n - 16, D) : _mm512_setzero_ps();
   for (int64_t g = 0; g < G; g++) {
