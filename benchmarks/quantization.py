@@ -14,7 +14,9 @@
   activations) then scores the same prompt + continuation
   (teacher forcing, prompt_logprobs):
   mean and max |logprob difference| of the chosen tokens, and greedy agreement (how often the
-  variant's own top token is the baseline's).
+  variant's own top token is the baseline's); then generates its own greedy continuations
+  through the decode steps: leading tokens shared with the baseline's, per prompt, and their
+  share of all generated tokens.
 - ``attention``: 12 layers of decode attention of the "small" model (12 query / 4 KV heads,
   head_dim 64, block 16) at 64 x 512 and 128 x 512 per KV dtype (--kv-dtypes): the compiled
   kernel (bfloat16 cache: its bfloat16 loops; 8-bit: the int8 / fp8 loops), the dtypes

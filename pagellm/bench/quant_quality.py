@@ -3,7 +3,12 @@
 The baseline engine (the model dtype for the KV cache, weights as loaded) generates greedy
 continuations of a few prompts; each variant then scores the same prompt + continuation
 (teacher forcing, through prompt_logprobs): mean and max |logprob difference| of the chosen
-tokens, and greedy agreement (how often the variant's own top token is the baseline's).
+tokens, and greedy agreement (how often the variant's own top token is the baseline's). That
+scoring runs the prefill path only; each variant also generates its own greedy continuations,
+one token per decode step (the decode attention kernels over its cache), and the report gives
+how many leading tokens each shares with the baseline's (``generated_leading_tokens``, one per
+prompt; the first comes from the prompt's prefill) and their share of all generated tokens
+(``generated_agreement``): a near tie can part them early, after which nothing is compared.
 Reported by benchmarks/quantization.py; tests/model/test_gguf_quantization.py holds it to
 bounds loose enough for any CPU.
 """
@@ -26,7 +31,8 @@ def quality(model: str, prompts: int, new_tokens: int, group_size: int,
     prompt_ids = [tokenizer(t)["input_ids"] for t in texts]
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     outs = base.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
-    full = [p + list(o.outputs[0].token_ids) for p, o in zip(prompt_ids, outs)]
+    continuations = [list(o.outputs[0].token_ids) for o in outs]
+    full = [p + c for p, c in zip(prompt_ids, continuations)]
     reference = score(base, full, [len(p) for p in prompt_ids])
     del base
     if variants is None:
@@ -42,11 +48,15 @@ def quality(model: str, prompts: int, new_tokens: int, group_size: int,
         llm = LLM(model, dtype=dtype, max_model_len=512, kv_cache_memory_bytes=64 << 20,
                   **options)
         got = score(llm, full, [len(p) for p in prompt_ids])
+        own = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
+        leading = [shared_prefix(c, o.outputs[0].token_ids) for c, o in zip(continuations, own)]
         diffs = [abs(a - b) for (a, _), (b, _) in zip(reference, got)]
         agree = sum(top == tok for (_, tok), (_, top) in zip(reference, got))
         report[name] = {"mean_abs_logprob_diff": round(statistics.mean(diffs), 4),
                         "max_abs_logprob_diff": round(max(diffs), 4),
-                        "greedy_agreement": round(agree / len(got), 4), "tokens": len(got)}
+                        "greedy_agreement": round(agree / len(got), 4), "tokens": len(got),
+                        "generated_leading_tokens": leading,
+                        "generated_agreement": round(sum(leading) / len(got), 4)}
         del llm
     return {"model": model, "prompts": len(texts), "new_tokens": new_tokens,
             "baseline": f"{dtype}, kv auto, weights as loaded", "variants": report}
@@ -64,3 +74,11 @@ def score(llm: LLM, sequences: list[list[int]], prompt_lens: list[int]
             top = min(entries.items(), key=lambda kv: kv[1].rank)[0]
             result.append((entries[seq[i]].logprob, top))
     return result
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
