@@ -1341,6 +1341,11 @@ INLINE __m512 load16_bf16(const bf16_t* p) { /* 16 bfloat16 values as float32 */
 INLINE __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
 }
+/* Lanes of x that are NaN or infinite: not |x| < inf (x * 0 != 0 would not do: the build's
+   float flags let the compiler fold x * 0 to 0). */
+INLINE __mmask16 non_finite(__m512 x) {
+  return _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(__builtin_inff()), _CMP_NLT_UQ);
+}
 INLINE void vnni_queries(const decode_args* a, int phase, const int64_t D, const int64_t G) {
   (void)G;
   if (phase != 0) return;
@@ -1349,8 +1354,12 @@ INLINE void vnni_queries(const decode_args* a, int phase, const int64_t D, const
     const bf16_t* q = (const bf16_t*)a->q + r * D;
     int8_t* out = vnni_query(a, r);
     __m512 mx = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16)
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(load16_bf16(q + d)));
+    __mmask16 bad = 0;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 x = load16_bf16(q + d);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(x));
+      bad |= non_finite(x);
+    }
     const float m = _mm512_reduce_max_ps(mx);
     const __m512 f = _mm512_set1_ps(m > 0.0f ? 32639.0f / m : 0.0f);
     __m512i total = _mm512_setzero_si512();
@@ -1364,7 +1373,9 @@ INLINE void vnni_queries(const decode_args* a, int phase, const int64_t D, const
       total = _mm512_add_epi32(total, q16);
     }
     const int32_t c = 128 * _mm512_reduce_add_epi32(total);
-    const float factor = m > 0.0f ? a->scale * m / 32639.0f : 0.0f;
+    /* NaN for a NaN or infinite element: the head's scores and output NaN, as the float
+       kernels' (the fixed point would round it to some integer) */
+    const float factor = bad ? __builtin_nanf("") : m > 0.0f ? a->scale * m / 32639.0f : 0.0f;
     memcpy(out + 2 * D, &c, sizeof c);
     memcpy(out + 2 * D + 4, &factor, sizeof factor);
   }

@@ -1,7 +1,7 @@
 """paged_decode.c's AMX kernels (8-bit caches: the tile products of both passes, and int8
 values by AMX-INT8) on a CPU without AMX: the kernel's source built after amx_emulation.h,
-which implements the tile instructions in plain C, and test_kv_quant's AMX tests run
-against that build. So the AMX kernels' logic (layouts, tile shapes, the deferred products,
+which implements the tile instructions in plain C, and test_kv_quant's AMX tests (and its
+non-finite query test, on every 8-bit path) run against that build. So the AMX kernels' logic (layouts, tile shapes, the deferred products,
 the fixed-point weights) is checked on every AVX-512 CPU with BF16 and VBMI, not only on
 the AMX Xeons, which run the same tests natively in test_kv_quant.
 """
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from test_kv_quant import (  # noqa: F401  collected here as well, on the emulated build
-    amx, test_amx_int8_values_match_the_reference, test_amx_products_match_the_table_kernels)
+    amx, test_amx_int8_values_match_the_reference, test_amx_products_match_the_table_kernels,
+    test_non_finite_queries_reach_only_their_heads)
 
 from pagellm import native
 from pagellm.attention import cpu_kernel

@@ -342,3 +342,47 @@ def test_vnni_int8_matches_the_reference(head_dim, num_heads, num_kv_heads, bloc
     errors = [(out.double() - expected).abs() for out in outs]
     assert (errors[0] <= half_ulp + bound).all()
     assert errors[0].mean() <= errors[1].mean()
+
+
+KERNEL_PATHS = {  # vector_paths()["8-bit"] under each: (AMX, AMX-INT8 values, VNNI int8)
+    "tables": (False, False, False), "vnni": (False, False, True),
+    "amx": (True, False, False), "amx_int8": (True, True, False)}
+
+
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+@pytest.mark.parametrize("path", list(KERNEL_PATHS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_non_finite_queries_reach_only_their_heads(dtype, path, fmt_name):
+    """A NaN or infinite query element makes that head's output NaN, as in the reference,
+    on every 8-bit kernel path (the fixed-point ones too, whose integer codes would round it
+    to some finite value), and leaves every other head's output as it was bit for bit."""
+    amx, amx_int8, vnni = KERNEL_PATHS[path]
+    if not cpu_kernel.available():
+        pytest.skip("no compiled CPU kernel")
+    if amx and not cpu_kernel.use_amx(True):
+        pytest.skip("no AMX products here")
+    if amx_int8 and not cpu_kernel.use_amx_int8_values(True):
+        pytest.skip("no AMX-INT8 values in this build")
+    if vnni and not cpu_kernel.use_vnni_int8(True):
+        pytest.skip("no AVX512-VNNI int8 kernel in this build")
+    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+        batch, 16, dtype, fmt_name, num_heads=12, num_kv_heads=4, head_dim=64, seed=3)
+    bad = q.clone()
+    bad[1, 0, 3] = float("nan")  # sequence 1's head 0, a KV head shared with heads 1 and 2
+    bad[2, 5, 0] = float("inf")
+    bad[4, 11, 63] = float("-inf")
+    try:
+        cpu_kernel.use_amx(amx)
+        cpu_kernel.use_amx_int8_values(amx_int8)
+        cpu_kernel.use_vnni_int8(vnni)
+        clean = quantized_backend.paged_attention(q, k, v, cache, metadata, 64 ** -0.5, None)
+        out = quantized_backend.paged_attention(bad, k, v, cache, metadata, 64 ** -0.5, None)
+    finally:
+        cpu_kernel.use_amx(True)
+        cpu_kernel.use_amx_int8_values(False)
+        cpu_kernel.use_vnni_int8(True)
+    hit = ~torch.isfinite(bad).all(dim=-1)
+    assert out[hit].isnan().all()
+    assert torch.equal(out[~hit], clean[~hit])
+    assert torch.isfinite(clean).all()
