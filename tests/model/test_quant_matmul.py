@@ -207,6 +207,41 @@ def test_int4_panels_times_int8_activations_match_float64_reference(
                 + bias.double())
 
 
+@pytest.mark.parametrize("layout", ["int4", "int8", "int4_panels"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_activations_reach_only_their_rows(build, layout, x_dtype):
+    """With int8 activations a row with a NaN or an infinity comes out all NaN, as torch's
+    rounding (quantize_activations) makes it, not as whatever integer the codes would round
+    it to; every other row as without them, bit for bit. Tiles of few rows and the GEMM's
+    (INTEGER_ROWS and more), the panels on AVX512-VNNI builds."""
+    if layout == "int4_panels" and (build is not quant_matmul._LIBRARY
+                                    or not quant_matmul.has_vnni_loops()):
+        pytest.skip("the panel kernel is built for AVX512-VNNI CPUs only")
+    x, q, params, _ = int4_case(40, 256, x_dtype, torch.bfloat16, 32, 40)
+    if layout == "int4":
+        kernel = quant_matmul.QuantizedMatmul("int4", quant_matmul.pack_int4(q), params, 32)
+    elif layout == "int4_panels":
+        kernel = quant_matmul.QuantizedMatmul(
+            "int4_panels", *quant_panels.pack_int4_panels(q, params), 32, out_features=40)
+    else:
+        codes = torch.randint(-127, 128, (40, 256), dtype=torch.int8,
+                              generator=torch.Generator().manual_seed(41))
+        kernel = quant_matmul.QuantizedMatmul("int8", codes, params[..., 0].contiguous(), 32)
+    kernel.int8_activations = True
+    bad = x.clone()
+    bad[0, 5] = float("nan")
+    bad[3, 200] = float("inf")
+    bad[-1, 31] = float("-inf")
+    hit = ~torch.isfinite(bad).all(dim=-1)
+    for rows in (4, max(ROWS)):
+        expected = quant_matmul.quantize_activations(bad[:rows])
+        assert expected[hit[:rows]].isnan().any(dim=-1).all()
+        clean, out = kernel(x[:rows]), kernel(bad[:rows])
+        assert out[hit[:rows]].isnan().all()
+        assert torch.equal(out[~hit[:rows]], clean[~hit[:rows]])
+        assert torch.isfinite(clean).all()
+
+
 def test_int8_panels_layout():
     """pack_int8_panels' layout: byte 64 c + 4 j + i of block b holds column j's code at
     k = 32 b + 4 c + i plus 128, scales [panel, group, column]; the last panel padded with

@@ -181,7 +181,8 @@ static inline void store(const qmm_args *a, int64_t m, int64_t n, float v) {
 
 /* int8 activations (QuantizedMatmul's int8_activations): per row and block of 32 columns,
  * d = amax / 127 and q = x * (127 / amax) rounded to nearest even (q = 0, d = 0 for a block of
- * zeros), as quant_matmul.quantize_activations computes them in torch; and per row and weight
+ * zeros; d = NaN for a block with a NaN or infinity, whose outputs torch's rounding makes NaN),
+ * as quant_matmul.quantize_activations computes them in torch; and per row and weight
  * group, the pair (-8 S, S) with S the group's sum over blocks of d * (sum of q), for the
  * zero terms; and each block's sum of q. In the caller's workspace: d, the pairs, the sums,
  * then q. */
@@ -546,7 +547,11 @@ static inline int quantize_block(const void *x, int64_t i, int bf16, int8_t *q, 
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
   const float amax = _mm_cvtss_f32(m4);
-  *d = amax / 127.0f;
+  int finite = 1; /* else d = NaN: the rows' outputs NaN, as torch's (max drops NaN) */
+  for (int p = 0; p < 4; p++)
+    finite &= !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(v[p], abs_mask),
+                                                _mm256_set1_ps(__builtin_inff()), _CMP_NLT_UQ));
+  *d = finite ? amax / 127.0f : __builtin_nanf("");
   const __m256 scale = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
   const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
   __m256i c[4];
@@ -866,12 +871,14 @@ static inline void bf16_wide(const qmm_args *a, const float *x, int64_t xs, int6
                              int64_t n) { (void)a; (void)x; (void)xs; (void)m0; (void)n; }
 static inline int quantize_block(const void *x, int64_t i, int bf16, int8_t *q, float *d) {
   float v[32], amax = 0;
+  int finite = 1; /* else d = NaN: the rows' outputs NaN, as torch's */
   for (int j = 0; j < 32; j++) {
     v[j] = bf16 ? bf16_to_f32(((const bf16_t *)x)[i + j]) : ((const float *)x)[i + j];
     const float magnitude = fabsf(v[j]); /* (fmaxf here crashed aarch64 gcc 12's vectoriser) */
     amax = magnitude > amax ? magnitude : amax;
+    finite &= magnitude < __builtin_inff();
   }
-  *d = amax / 127.0f;
+  *d = finite ? amax / 127.0f : __builtin_nanf("");
   const float inv = amax > 0 ? 127.0f / amax : 0.0f;
   int sum = 0;
   for (int j = 0; j < 32; j++) {
