@@ -374,7 +374,7 @@ DEFINE_AVX512_VALUE(value_bf16_avx512, bf16_t, bf16_t, step_bf16, 2)
 INLINE __m512 exp512_u20(__m512 x) { /* exp_u20, 16 at a time */
 #define K(c) _mm512_set1_ps(c)
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, K(LN_FLT_MIN), _CMP_LT_OS);
-  x = _mm512_max_ps(x, K(LN_FLT_MIN));
+  x = _mm512_max_ps(K(LN_FLT_MIN), x); /* x second: a NaN stays NaN (max returns it) */
   const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, K(1.44269502f), K(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(n, K(0.693147182f), x);
@@ -550,7 +550,7 @@ INLINE void NAME(const float* restrict w, int64_t ws, const T* restrict v, int64
 INLINE __m256 exp256_u20(__m256 x) { /* exp_u20, 8 at a time, the same operations */
 #define K(c) _mm256_set1_ps(c)
   const __m256 underflow = _mm256_cmp_ps(x, K(LN_FLT_MIN), _CMP_LT_OS);
-  x = _mm256_max_ps(x, K(LN_FLT_MIN));
+  x = _mm256_max_ps(K(LN_FLT_MIN), x); /* x second: a NaN stays NaN (max returns it) */
   const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, K(1.44269502f), K(0.5f)));
   const __m256 r = _mm256_fnmadd_ps(n, K(0.693147182f), x);
   const __m256 p = EXP_POLY(_mm256_fmadd_ps, r);
@@ -1312,6 +1312,20 @@ Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
 Q8_PLANES_INSTANCE(int8)
 Q8_PLANES_INSTANCE(e4m3)
 Q8_PLANES_INSTANCE(e5m2)
+/* Lanes of x that are NaN or infinite: not |x| < inf (x * 0 != 0 would not do: the build's
+   float flags let the compiler fold x * 0 to 0). */
+INLINE __mmask16 non_finite(__m512 x) {
+  return _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(__builtin_inff()), _CMP_NLT_UQ);
+}
+/* The step of weights x0, x1 (>= 0, lanes past the keys zero) in fixed point of their largest
+   mx: full / mx into *to_codes (taking them to codes up to full), mx / full returned (taking
+   the codes' sums back), NaN if a weight is NaN or infinite (a value row's scale, say), which
+   the codes would round to some integer: so the head's output is NaN, as the float kernels'. */
+INLINE float weight_step(__m512 x0, __m512 x1, float full, float* to_codes) {
+  const float mx = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+  *to_codes = mx > 0.0f ? full / mx : 0.0f;
+  return non_finite(x0) | non_finite(x1) ? __builtin_nanf("") : mx > 0.0f ? mx / full : 0.0f;
+}
 #ifdef USE_Q8_VNNI
 /* AVX512-VNNI, int8 caches (bfloat16 queries, head_dim a multiple of 64): both passes
    multiply the codes as they are stored, as integers, instead of their bfloat16 values: no
@@ -1340,11 +1354,6 @@ INLINE __m512 load16_bf16(const bf16_t* p) { /* 16 bfloat16 values as float32 */
 /* The first n of 16 lanes (none for n <= 0). */
 INLINE __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
-/* Lanes of x that are NaN or infinite: not |x| < inf (x * 0 != 0 would not do: the build's
-   float flags let the compiler fold x * 0 to 0). */
-INLINE __mmask16 non_finite(__m512 x) {
-  return _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(__builtin_inff()), _CMP_NLT_UQ);
 }
 INLINE void vnni_queries(const decode_args* a, int phase, const int64_t D, const int64_t G) {
   (void)G;
@@ -1471,9 +1480,9 @@ INLINE void vnni_weights(const uint8_t* v, int64_t vs, int64_t n, const float* w
     const __m512 x0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, w + g * rf), s0);
     const __m512 x1 = n > 16 ? _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, w + g * rf + 16), s1)
                              : _mm512_setzero_ps();
-    const float mx = _mm512_reduce_max_ps(n > 16 ? _mm512_max_ps(x0, x1) : x0);
-    const __m512 f = _mm512_set1_ps(mx > 0.0f ? 32767.0f / mx : 0.0f);
-    wf[g] = mx > 0.0f ? mx / 32767.0f : 0.0f;
+    float to_codes;
+    wf[g] = weight_step(x0, x1, 32767.0f, &to_codes);
+    const __m512 f = _mm512_set1_ps(to_codes);
     _mm256_storeu_si256((__m256i*)(wq + g * TILE_KEYS),
                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x0, f))));
     if (n > 16)
@@ -1695,9 +1704,9 @@ INLINE void amx_int_rows(const uint8_t* restrict v, int64_t vs, int64_t n,
   for (int64_t g = 0; g < G; g++) {
     const __m512 x0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, w + g * rf), s0);
     const __m512 x1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, w + g * rf + 16), s1);
-    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-    const __m512 f = _mm512_set1_ps(mx > 0.0f ? 65535.0f / mx : 0.0f);
-    st->wf[b][g] = mx > 0.0f ? mx / 65535.0f : 0.0f;
+    float to_codes;
+    st->wf[b][g] = weight_step(x0, x1, 65535.0f, &to_codes);
+    const __m512 f = _mm512_set1_ps(to_codes);
     const __m512i u[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(x0, f)),
                           _mm512_cvtps_epi32(_mm512_mul_ps(x1, f))};
     for (int h = 0; h < 2; h++) {

@@ -352,10 +352,11 @@ KERNEL_PATHS = {  # vector_paths()["8-bit"] under each: (AMX, AMX-INT8 values, V
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
 @pytest.mark.parametrize("path", list(KERNEL_PATHS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_non_finite_queries_reach_only_their_heads(dtype, path, fmt_name):
+def test_non_finite_queries_and_rows_reach_only_their_heads(dtype, path, fmt_name):
     """A NaN or infinite query element makes that head's output NaN, as in the reference,
     on every 8-bit kernel path (the fixed-point ones too, whose integer codes would round it
-    to some finite value), and leaves every other head's output as it was bit for bit."""
+    to some finite value), and so does a NaN key or value row scale for the query heads over
+    that KV head; every other head's output stays as it was bit for bit."""
     amx, amx_int8, vnni = KERNEL_PATHS[path]
     if not cpu_kernel.available():
         pytest.skip("no compiled CPU kernel")
@@ -372,17 +373,26 @@ def test_non_finite_queries_reach_only_their_heads(dtype, path, fmt_name):
     bad[1, 0, 3] = float("nan")  # sequence 1's head 0, a KV head shared with heads 1 and 2
     bad[2, 5, 0] = float("inf")
     bad[4, 11, 63] = float("-inf")
+    corrupt = QuantizedKVCache(cache.key.clone(), cache.value.clone(), cache.format)
+    nan = torch.tensor([0x7FC0], dtype=torch.int16).view(torch.uint8)  # a bfloat16 NaN
+    corrupt.value[tables[4][0], 2, 1, 64:] = nan  # sequence 4's token 2, KV head 1
+    corrupt.key[tables[3][0], 0, 0, 64:] = nan  # sequence 3's token 0, KV head 0
     try:
         cpu_kernel.use_amx(amx)
         cpu_kernel.use_amx_int8_values(amx_int8)
         cpu_kernel.use_vnni_int8(vnni)
         clean = quantized_backend.paged_attention(q, k, v, cache, metadata, 64 ** -0.5, None)
         out = quantized_backend.paged_attention(bad, k, v, cache, metadata, 64 ** -0.5, None)
+        rows = quantized_backend.paged_attention(q, k, v, corrupt, metadata, 64 ** -0.5, None)
     finally:
         cpu_kernel.use_amx(True)
         cpu_kernel.use_amx_int8_values(False)
         cpu_kernel.use_vnni_int8(True)
+    assert torch.isfinite(clean).all()
     hit = ~torch.isfinite(bad).all(dim=-1)
     assert out[hit].isnan().all()
     assert torch.equal(out[~hit], clean[~hit])
-    assert torch.isfinite(clean).all()
+    hit = torch.zeros_like(hit)
+    hit[4, 3:6] = hit[3, 0:3] = True  # the query heads over those KV heads
+    assert rows[hit].isnan().all(), rows[hit].isnan().all(dim=-1)
+    assert torch.equal(rows[~hit], clean[~hit])
