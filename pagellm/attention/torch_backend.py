@@ -126,8 +126,14 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     grouped = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     key = gather_blocks(k_cache, decode.block_tables, "decode_key")  # [S, KVH, keys, D]
     value = gather_blocks(v_cache, decode.block_tables, "decode_value")
-    out = F.scaled_dot_product_attention(grouped, key, value,
-                                         attn_mask=decode.mask(sliding_window), scale=scale)
+    mask = decode.mask(sliding_window)
+    # The masked keys (padding entries read block 0; slots past the sequence; keys before
+    # the window) weigh 0, but 0 x NaN is NaN: zeroed, so that a NaN one sequence left in
+    # some block cannot reach another's output.
+    hidden = ~mask[:, 0, 0]  # [S, keys]
+    key.transpose(1, 2)[hidden] = 0
+    value.transpose(1, 2)[hidden] = 0
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
     return out.reshape(num_decodes, num_heads, head_dim)
 
 

@@ -88,6 +88,33 @@ def test_cpu_decode_kernel_large_blocks(block_size, head_dim, dtype, decode_path
                       (None, 12, 20, 75))
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_cache_entries_reach_only_their_heads(head_dim, dtype, decode_path):
+    """A NaN key element, or an infinite query one, in a decode makes the outputs of the
+    query heads that read it NaN, as the reference's (no exp or max may drop it), a NaN
+    value element their outputs' element of that dimension; every other output stays as it
+    was bit for bit, also where the NaN sits in a block other sequences' padding entries
+    name, or in a slot past its sequence's end (the torch path reads both with weight 0)."""
+    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1)]
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_attention_step(
+        batch, 16, dtype, 6, 2, head_dim, seed=5)
+    scale = head_dim ** -0.5
+    clean = paged_attention(q, k, v, k_cache, v_cache, metadata, scale, None)
+    bad_q = q.clone()
+    bad_q[2, 4, 1] = float("inf")
+    k_cache[tables[3][0], 0, 1, 3] = float("nan")  # sequence 3's token 0, KV head 1
+    assert tables[4][1] == 0  # block 0, which every sequence's padding entries name too
+    v_cache[tables[4][1], 7, 0, 0] = float("nan")  # sequence 4's token 23, KV head 0
+    k_cache[tables[3][1], 3, 0, 0] = float("nan")  # past sequence 3's 17 tokens: unread
+    out = paged_attention(bad_q, k, v, k_cache, v_cache, metadata, scale, None)
+    hit = torch.zeros(out.shape, dtype=torch.bool)
+    hit[2, 4] = hit[3, 3:6] = hit[4, 0:3, 0] = True
+    assert torch.isfinite(clean).all()
+    assert out[hit].isnan().all()
+    assert torch.equal(out[~hit], clean[~hit])
+
+
 def check_decode_step(head_dim, num_heads, num_kv_heads, dtype, block_size, seq_lens, windows):
     """One decode step over these context lengths (shuffled physical blocks), under each
     window, against the float64 reference."""
