@@ -63,6 +63,10 @@ def chunked_attention(query: torch.Tensor, cache: QuantizedKVCache, block_tables
         visible = key_pos <= row_pos  # [S, 1, rows, keys]
         if sliding_window is not None:
             visible &= key_pos > row_pos - sliding_window
+        # keys no row sees (table padding, which names block 0; slots past the sequence)
+        # weigh 0, but 0 x NaN is NaN: their values zeroed, so that a NaN one sequence left
+        # in some block cannot reach another's output
+        value.transpose(1, 2)[~visible.any(2)[:, 0]] = 0
         scores = (q @ key.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(-1))
         # a row with no visible key yet keeps max -inf: subtract 0, not -inf (no NaN)

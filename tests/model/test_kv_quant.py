@@ -346,19 +346,24 @@ def test_vnni_int8_matches_the_reference(head_dim, num_heads, num_kv_heads, bloc
 
 KERNEL_PATHS = {  # vector_paths()["8-bit"] under each: (AMX, AMX-INT8 values, VNNI int8)
     "tables": (False, False, False), "vnni": (False, False, True),
-    "amx": (True, False, False), "amx_int8": (True, True, False)}
+    "amx": (True, False, False), "amx_int8": (True, True, False),
+    "torch": (False, False, False)}  # chunked_attention, not the compiled kernel
 
 
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
 @pytest.mark.parametrize("path", list(KERNEL_PATHS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_non_finite_queries_and_rows_reach_only_their_heads(dtype, path, fmt_name):
+def test_non_finite_queries_and_rows_reach_only_their_heads(dtype, path, fmt_name,
+                                                            monkeypatch):
     """A NaN or infinite query element makes that head's output NaN, as in the reference,
     on every 8-bit kernel path (the fixed-point ones too, whose integer codes would round it
     to some finite value), and so does a NaN key or value row scale for the query heads over
-    that KV head; every other head's output stays as it was bit for bit."""
+    that KV head; every other head's output stays as it was bit for bit, also with NaN rows
+    in block 0 (which the table padding names) and in a slot past a sequence's end."""
     amx, amx_int8, vnni = KERNEL_PATHS[path]
-    if not cpu_kernel.available():
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernel, "supports_quantized", lambda query, cache: False)
+    elif not cpu_kernel.available():
         pytest.skip("no compiled CPU kernel")
     if amx and not cpu_kernel.use_amx(True):
         pytest.skip("no AMX products here")
@@ -377,6 +382,9 @@ def test_non_finite_queries_and_rows_reach_only_their_heads(dtype, path, fmt_nam
     nan = torch.tensor([0x7FC0], dtype=torch.int16).view(torch.uint8)  # a bfloat16 NaN
     corrupt.value[tables[4][0], 2, 1, 64:] = nan  # sequence 4's token 2, KV head 1
     corrupt.key[tables[3][0], 0, 0, 64:] = nan  # sequence 3's token 0, KV head 0
+    assert all(0 not in table for table in tables)  # block 0: only the padding entries'
+    corrupt.key[0, ..., 64:] = corrupt.value[0, ..., 64:] = nan
+    corrupt.value[tables[3][1], 3, 2, 64:] = nan  # past sequence 3's 17 tokens: unread
     try:
         cpu_kernel.use_amx(amx)
         cpu_kernel.use_amx_int8_values(amx_int8)
