@@ -3,9 +3,9 @@
 bfloat16, 4 prompts x 48 tokens: KV int8 mean |dlogprob| 0.036, agreement 98%; int4 weights
 taken from the file's Q4_1 codes 0.036, 98%; see docs/BENCHMARKS.md), also with the
 activations rounded to int8 (int8_activations). Each variant's own greedy generation (the
-decode kernels) is held to sharing at least half its tokens with the baseline's on one of the
-two prompts (float32, 2 x 16 tokens on a Zen 4 EPYC: 16 and 16 leading tokens for the int8
-cache and int4 weights, 5 and 16 with int8 activations)."""
+decode kernels) is held to sharing at least 6 leading tokens with the baseline's over the two
+prompts (float32, 2 x 16 tokens on a Zen 4 EPYC: 16 and 16 for the int8 cache and int4
+weights, 5 and 16 with int8 activations)."""
 from __future__ import annotations
 
 from gguf_models import smollm2_gguf
@@ -27,8 +27,9 @@ def test_quality_of_8bit_kv_and_int4_weights_on_real_weights():
         assert result["mean_abs_logprob_diff"] < 0.3, (name, result)
         assert result["greedy_agreement"] >= 0.75, (name, result)
         # its own generation through the decode steps: garbage after the first token (which
-        # the prefill gives) would share 1 at most; a near tie can part one prompt early
+        # the prefill gives) would share 2 at most over the two prompts; a near tie can part
+        # a prompt early
         leading = result["generated_leading_tokens"]
         assert len(leading) == 2 and all(0 <= n <= 16 for n in leading), (name, result)
-        assert max(leading) >= 8, (name, result)
+        assert sum(leading) >= 6, (name, result)
         assert abs(result["generated_agreement"] - sum(leading) / 32) < 1e-4
