@@ -100,11 +100,15 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 
     scale = bfloat16(amax / qmax) (1 for an all-zero row); q = x / scale rounded to the format
     (int8: to nearest, clamped to +-127; fp8: clamped to +-qmax, then torch's round to nearest
-    even), so that q * scale is the dequantized value."""
+    even), so that q * scale is the dequantized value. A row with a NaN or an infinity gets
+    scale NaN and codes 0, so that it reads back all NaN (not as codes of some other scale)."""
     x = x.float()
-    amax = x.abs().amax(-1, keepdim=True)  # [..., 1]
+    amax = x.abs().amax(-1, keepdim=True)  # [..., 1] (NaN where the row has one)
+    finite = amax.isfinite()
     scale = torch.where(amax > 0, amax / fmt.qmax, 1.0).to(torch.bfloat16)
-    scaled = (x / scale.float()).clamp(-fmt.qmax, fmt.qmax)
+    # the bits of a quiet NaN (0x7FC0) as the C and Triton stores write them
+    scale = torch.where(finite, scale.view(torch.int16), 0x7FC0).view(torch.bfloat16)
+    scaled = torch.where(finite, (x / scale.float()).clamp(-fmt.qmax, fmt.qmax), 0.0)
     q = scaled.round().to(torch.int8) if fmt.storage == torch.int8 else scaled.to(fmt.storage)
     raw = torch.empty((*x.shape[:-1], x.shape[-1] + SCALE_BYTES), dtype=torch.uint8,
                       device=x.device)

@@ -2096,8 +2096,8 @@ INLINE uint8_t fp8_code(float f, uint32_t sign, int e5m2) {
    ``stride`` elements apart) into the 8-bit caches at their slots (negative: padding, not
    written), row by row as kv_quant.quantize: scale = bfloat16(amax / qmax) (1 for an all-zero
    row), codes = x / scale clamped to +-qmax, rounded to nearest even (int8) or to the fp8
-   format; each row's head_dim (<= 256) codes, then its scale's two bytes. format: 0 int8,
-   1 e4m3, 2 e5m2. */
+   format (a row with a NaN or an infinity: scale NaN, codes 0); each row's head_dim (<= 256)
+   codes, then its scale's two bytes. format: 0 int8, 1 e4m3, 2 e5m2. */
 typedef struct {
   const void* key;
   const void* value;
@@ -2119,16 +2119,19 @@ void paged_store_q8(const store_args* a) {
       for (int64_t h = 0; h < a->num_kv_heads; h++) {
         const int64_t first = t * a->stride + h * D;
         float x[256], amax = 0.0f;
+        int finite = 1;
         for (int64_t d = 0; d < D; d++) {
           x[d] = a->bf16 ? load_bf16(((const bf16_t*)rows)[first + d])
                          : ((const float*)rows)[first + d];
           const float m = x[d] < 0 ? -x[d] : x[d];
-          amax = m > amax || m != m ? m : amax; /* NaN propagates, as torch's amax */
+          amax = m > amax ? m : amax;
+          finite &= m < __builtin_inff(); /* false for NaN */
         }
-        const bf16_t scale_bits = store_bf16(amax > 0 ? amax / qmax : 1.0f);
+        const bf16_t scale_bits = finite ? store_bf16(amax > 0 ? amax / qmax : 1.0f) : 0x7FC0;
         const float scale = load_bf16(scale_bits);
         uint8_t* out = cache + h * raw;
-        for (int64_t d = 0; d < D; d++) {
+        if (!finite) memset(out, 0, D);
+        for (int64_t d = 0; d < D && finite; d++) {
           float y = x[d] / scale;
           y = y < -qmax ? -qmax : y > qmax ? qmax : y;
           union { float f; uint32_t u; } in = {x[d]};

@@ -129,6 +129,10 @@ def _attend_tile(query, acc, m_i, l_i, query_pos, key_start, seq_len, scale_log2
     if USE_WINDOW:
         visible &= keys[None, :] > query_pos[:, None] - window
     scores = tl.where(visible, scores, float("-inf"))
+    # The values of keys no row sees (before the window, past every row's position) are not
+    # read: their weight is 0, but 0 x NaN is NaN.
+    seen = tl.max(visible.to(tl.int32), 0) > 0  # [BLOCK_N]
+    value_mask = kv_mask & seen[:, None]
 
     m_new = tl.maximum(m_i, tl.max(scores, 1))  # [M]
     # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
@@ -139,12 +143,13 @@ def _attend_tile(query, acc, m_i, l_i, query_pos, key_start, seq_len, scale_log2
     l_i = l_i * alpha + tl.sum(p, 1)
     if QUANT:
         value = _decode_bytes(tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :],
-                                      mask=kv_mask, other=0), lut_ptr, QUANT)
-        v_scale = tl.load(v_scale_ptr + scale_offset, mask=in_seq, other=0.0).to(tl.float32)
+                                      mask=value_mask, other=0), lut_ptr, QUANT)
+        v_scale = tl.load(v_scale_ptr + scale_offset, mask=in_seq & seen,
+                          other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + _dot(p * v_scale[None, :], value, DOT_PRECISION,
                                           UPCAST_DOT)
     else:
-        value = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=kv_mask,
+        value = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=value_mask,
                         other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(value.dtype), value, DOT_PRECISION, UPCAST_DOT)
     return acc, m_new, l_i

@@ -43,8 +43,11 @@ def _quantized_rows(x, qmax, FORMAT: tl.constexpr):
     bfloat16(amax / qmax) rounded to nearest even (1 for an all-zero row), codes = x / scale
     clamped to +-qmax and rounded to nearest even, int8 (FORMAT 0) as two's complement bytes,
     fp8 e4m3 (1) / e5m2 (2) with c10's bit operations (the CPU store's fp8_code); each fp8
-    code's sign comes from x's own bits (a zero keeps its sign)."""
+    code's sign comes from x's own bits (a zero keeps its sign). A row with a NaN or an
+    infinity: scale NaN (0x7FC0), codes 0."""
     # the divisions are IEEE (div_rn): Triton's ``/`` is not correctly rounded on NVIDIA GPUs
+    bad = tl.max(tl.where(tl.abs(x) < float("inf"), 0, 1), axis=1) > 0  # NaN or infinite
+    x = tl.where(bad[:, None], 0.0, x)  # such a row: the codes of zeros (0), scale NaN below
     amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_H]
     ratio = tl.where(amax > 0, tl.div_rn(amax, tl.full(amax.shape, qmax, tl.float32)), 1.0)
     bits = ratio.to(tl.int32, bitcast=True)  # positive and finite: no sign, no NaN
@@ -78,7 +81,7 @@ def _quantized_rows(x, qmax, FORMAT: tl.constexpr):
         tiny = ((magnitude.to(tl.float32, bitcast=True) + denorm).to(tl.int32, bitcast=True)
                 - denorm_bits)
         codes = tl.where(too_big, overflow, tl.where(normal, shifted, tiny)) | sign
-    return codes, scale_bits
+    return codes, tl.where(bad, 0x7FC0, scale_bits)
 
 
 @triton.jit

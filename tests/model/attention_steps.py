@@ -51,7 +51,7 @@ def make_step(batch, block_size, dtype, num_heads=6, num_kv_heads=2, head_dim=16
 def store_rows(fmt, dtype):
     """K/V rows [9, 3, 64] in ``dtype`` for an 8-bit store to write into caches of 40 slots,
     and their slots (one -1, padding): rows over ten decades of magnitude, zero rows and
-    entries, -0.0, and rows whose largest entry is qmax (scale 1) holding every tie between
+    entries, -0.0, rows with a NaN, an infinity, a -infinity, and rows whose largest entry is qmax (scale 1) holding every tie between
     two neighbouring codes of ``fmt`` (round to nearest even); the random rows include ones
     whose rounded bfloat16 scale puts their largest entry past qmax (clamped)."""
     gen = torch.Generator().manual_seed(3)
@@ -60,6 +60,7 @@ def store_rows(fmt, dtype):
     key = torch.randn(tokens, heads, head_dim, generator=gen) * magnitude
     value = torch.randn(tokens, heads, head_dim, generator=gen) * magnitude
     key[0, 0], value[1, 1, :5], key[2, 1, 3] = 0, 0, -0.0
+    value[3, 0, 7], key[5, 1, 10], key[6, 0, 0] = float("nan"), float("-inf"), float("inf")
     codes = torch.arange(256, dtype=torch.uint8).view(fmt.storage).float()
     codes = codes[codes.isfinite() & (codes.abs() <= fmt.qmax)].unique()  # sorted
     ties = ((codes[1:] + codes[:-1]) / 2)

@@ -60,6 +60,25 @@ def test_quantize_round_trip_bounds(fmt_name):
     assert (back.abs().amax(-1, keepdim=True) <= amax * 1.01 + 1e-30).all()
 
 
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+def test_non_finite_rows_quantize_to_nan_rows(fmt_name):
+    """A row with a NaN, an infinity or a -infinity is stored with scale NaN and codes 0 and
+    reads back all NaN (with scale 1, as amax's NaN gave before, its other values came back
+    as codes of the wrong scale); the other rows are untouched by it."""
+    fmt = FORMATS[fmt_name]
+    x = torch.randn(4, 2, 32, generator=torch.Generator().manual_seed(2))
+    x[0, 0, 3], x[1, 1, 0], x[2, 0, 31] = float("nan"), float("inf"), float("-inf")
+    raw = kv_quant.quantize(x, fmt)
+    bad = torch.zeros(4, 2, dtype=torch.bool)
+    bad[0, 0] = bad[1, 1] = bad[2, 0] = True
+    assert (raw[bad][:, :32] == 0).all()
+    assert kv_quant.scales(raw)[bad].isnan().all()
+    back = kv_quant.dequantize(raw, fmt)
+    assert back[bad].isnan().all()
+    assert torch.equal(raw[~bad], kv_quant.quantize(x[~bad], fmt))
+    assert back[~bad].isfinite().all()
+
+
 def test_fake_quantize_is_idempotent_on_values():
     fmt = FORMATS["int8"]
     x = torch.randn(10, 2, 16, generator=torch.Generator().manual_seed(2))
@@ -197,7 +216,7 @@ def test_cache_engine_moves_scales_with_their_blocks():
 def test_compiled_store_writes_the_quantizer_s_bytes(fmt_name, dtype):
     """cpu_kernel.store_quantized (the CPU paths' store) writes exactly kv_quant.quantize's
     bytes at the slots, skipping padding (-1), on store_rows' rows (ten decades, zeros, -0.0,
-    every tie between neighbouring codes, clamped rows)."""
+    NaN and infinite entries, every tie between neighbouring codes, clamped rows)."""
     if not cpu_kernel.available():
         pytest.skip("the compiled kernel is off here")
     fmt = FORMATS[fmt_name]

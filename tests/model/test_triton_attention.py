@@ -278,12 +278,47 @@ def test_8bit_cache_matches_dequantized_reference(fmt_name, dtype, sliding_windo
     torch.testing.assert_close(out.double(), expected, **tol)
 
 
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_decodes_do_not_read_values_outside_the_window(cache_dtype, small_tiles):
+    """A NaN value (an 8-bit cache: a NaN row scale) in a decode's key tile but before its
+    sliding window changes nothing (the kernel does not read it: its weight is 0, but 0 x NaN
+    is NaN); one inside the window makes the output of the query heads over that KV head NaN,
+    as the reference's. (In a prefill tile a key some rows see is read for all of them.)"""
+    from pagellm.attention import kv_quant
+
+    batch = [(19, 1), (40, 1)]  # the first decode (position 19) sees keys 17-19 under window 3
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(batch, 4, torch.float32)
+    scale = q.shape[-1] ** -0.5
+
+    def run(v_cache):
+        if cache_dtype == "auto":
+            return triton_backend.paged_attention(q, k, v, k_cache.clone(), v_cache, metadata,
+                                                  scale, 3)
+        fmt = kv_quant.FORMATS[cache_dtype]
+        cache = kv_quant.QuantizedKVCache(kv_quant.quantize(k_cache, fmt),
+                                          kv_quant.quantize(v_cache, fmt), fmt)
+        return triton_backend.paged_attention_quantized(q, k, v, cache, metadata, scale, 3)
+
+    clean = run(v_cache.clone())
+    assert torch.isfinite(clean).all()
+    before = v_cache.clone()
+    before[tables[0][4], 0, 0, 0] = float("nan")  # key 16: the tile of keys 16-31, unseen
+    assert torch.equal(run(before), clean)
+    inside = v_cache.clone()
+    inside[tables[0][4], 1, 0, 0] = float("nan")  # key 17: seen
+    out = run(inside)
+    group = q.shape[1] // k_cache.shape[2]
+    assert out[0, :group].isnan().any(-1).all()
+    out[0, :group] = clean[0, :group]
+    assert torch.equal(out, clean)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt_name", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_8bit_store_writes_the_quantizer_s_bytes(fmt_name, dtype):
     """The Triton store of an 8-bit cache writes exactly kv_quant.quantize's bytes at the
-    slots, skipping padding (-1), on store_rows' rows (ten decades, zeros, -0.0, every tie
-    between neighbouring codes, clamped rows); a strided view of a fused projection's output
+    slots, skipping padding (-1), on store_rows' rows (ten decades, zeros, -0.0, NaN and
+    infinite entries, every tie between neighbouring codes, clamped rows); a strided view of a fused projection's output
     reads as its values."""
     from pagellm.attention import kv_quant
 
