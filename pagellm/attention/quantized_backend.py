@@ -38,13 +38,17 @@ _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", 
 
 def chunked_attention(query: torch.Tensor, cache: QuantizedKVCache, block_tables: torch.Tensor,
                       query_pos: torch.Tensor, scale: float, sliding_window: int | None = None,
-                      chunk_blocks: int = CHUNK_BLOCKS) -> torch.Tensor:
+                      chunk_blocks: int = CHUNK_BLOCKS, zero_hidden: bool = False
+                      ) -> torch.Tensor:
     """query [S, Q, H, D] at absolute positions query_pos [S, Q] of S sequences whose blocks
     are block_tables [S, num_blocks] -> [S, Q, H, D] in query's dtype.
 
     Key j of sequence s is visible to its query at position p iff j <= p (and j > p - window):
     a sequence's own length bounds its keys through its queries' positions, so table padding
-    past it is never read unmasked."""
+    past it is never read unmasked. But a masked key weighs 0, and 0 x NaN is NaN: where the
+    result has a NaN, it is computed again with the values of keys no row sees zeroed
+    (``zero_hidden``), so that a NaN in block 0 (which the padding names) or past a sequence's
+    end reaches no output (zeroing every time would cost ~15% in a batch with much padding)."""
     num_seqs, num_queries, num_heads, head_dim = query.shape
     block_size, num_kv_heads = cache.key.shape[1], cache.key.shape[2]
     group = num_heads // num_kv_heads
@@ -63,10 +67,9 @@ def chunked_attention(query: torch.Tensor, cache: QuantizedKVCache, block_tables
         visible = key_pos <= row_pos  # [S, 1, rows, keys]
         if sliding_window is not None:
             visible &= key_pos > row_pos - sliding_window
-        # keys no row sees (table padding, which names block 0; slots past the sequence)
-        # weigh 0, but 0 x NaN is NaN: their values zeroed, so that a NaN one sequence left
-        # in some block cannot reach another's output
-        value.transpose(1, 2)[~visible.any(2)[:, 0]] = 0
+        if zero_hidden:  # the values of keys no row sees (the docstring says why)
+            hidden = torch.nonzero(~visible.any(2).flatten())[:, 0]  # into [S * keys]
+            value.transpose(1, 2).reshape(-1, num_kv_heads * head_dim).index_fill_(0, hidden, 0)
         scores = (q @ key.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(-1))
         # a row with no visible key yet keeps max -inf: subtract 0, not -inf (no NaN)
@@ -77,6 +80,9 @@ def chunked_attention(query: torch.Tensor, cache: QuantizedKVCache, block_tables
         acc = acc * rescale[..., None] + weights @ value
         running_max = new_max
     out = acc / running_sum[..., None]  # [S, KVH, G * Q, D]
+    if not zero_hidden and out.isnan().any():
+        return chunked_attention(query, cache, block_tables, query_pos, scale, sliding_window,
+                                 chunk_blocks, zero_hidden=True)
     out = out.view(num_seqs, num_kv_heads, group, num_queries, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(num_seqs, num_queries, num_heads, head_dim).to(query.dtype)
 

@@ -127,13 +127,17 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     key = gather_blocks(k_cache, decode.block_tables, "decode_key")  # [S, KVH, keys, D]
     value = gather_blocks(v_cache, decode.block_tables, "decode_value")
     mask = decode.mask(sliding_window)
-    # The masked keys (padding entries read block 0; slots past the sequence; keys before
-    # the window) weigh 0, but 0 x NaN is NaN: zeroed, so that a NaN one sequence left in
-    # some block cannot reach another's output.
-    hidden = ~mask[:, 0, 0]  # [S, keys]
-    key.transpose(1, 2)[hidden] = 0
-    value.transpose(1, 2)[hidden] = 0
     out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
+    if out.isnan().any():
+        # The masked keys (padding entries read block 0; slots past a sequence; keys before
+        # the window) weigh 0, but 0 x NaN is NaN, so a NaN in some block may have come from
+        # one of them into another sequence's output: again with them zeroed, so that only
+        # a NaN a sequence attends to reaches it (zeroing every step would cost ~15% of
+        # this path in a batch with much padding).
+        hidden = torch.nonzero(~mask.flatten())[:, 0]  # indices into [S * keys]
+        for gathered in (key, value):  # [S, KVH, keys, D] over contiguous [S, keys, KVH, D]
+            gathered.transpose(1, 2).view(-1, num_kv_heads * head_dim).index_fill_(0, hidden, 0)
+        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scale)
     return out.reshape(num_decodes, num_heads, head_dim)
 
 

@@ -117,7 +117,7 @@ def test_mixed_step_matches_dequantized_reference(fmt_name, block_size, sliding_
     AVX-512 or AVX2 loops where the build has them; 16: its portable loops."""
     monkeypatch.setattr(quantized_backend, "CHUNK_BLOCKS", 2)
     monkeypatch.setattr(quantized_backend.chunked_attention, "__defaults__",
-                        (None, 2))
+                        (None, 2, False))
     q, k, v, cache, metadata, tables, seq_lens = quantized_step(MIXED_BATCH, block_size, dtype,
                                                                 fmt_name, head_dim=head_dim)
     scale = q.shape[-1] ** -0.5
