@@ -1017,6 +1017,10 @@ INLINE void value_tile_##SUFFIX(float* w, int64_t ws, const float* tile, const f
 }
 
 #ifdef USE_AVX512_BF16
+/* The first n of 16 lanes (none for n <= 0). */
+INLINE __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
 /* bfloat16 query, bfloat16 tiles: the rows' values unscaled (8-bit values are exact in
    bfloat16), their scales beside (sc); scores by the bfloat16 dot products, times the key's
    scale after; the softmax weights times the value's scale, rounded to bfloat16 as the
@@ -1043,7 +1047,7 @@ INLINE void score_tile_bf16(const bf16_t* q, const bf16_t* tile, const float* sc
                             float scale, float* out, const int64_t D) {
   score_bf16_tile_avx512(q, tile, D, n, scale, out, D);
   for (int64_t i = 0; i < n; i += 16) { /* vector loads of the vector stores just made */
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 m = first_lanes(n - i);
     _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, out + i),
                                                     _mm512_maskz_loadu_ps(m, sc + i)));
   }
@@ -1052,7 +1056,7 @@ INLINE void score_tile_bf16(const bf16_t* q, const bf16_t* tile, const float* sc
 INLINE void scaled_weights_bf16(const float* w, int64_t ws, const float* sc, int64_t n,
                                 const int64_t G, bf16_t* wt) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 m = first_lanes(n - i);
     const __m512 scales = _mm512_maskz_loadu_ps(m, sc + i);
     for (int64_t g = 0; g < G; g++) /* unmasked: the value loop's loads forward from it */
       _mm256_storeu_si256((__m256i*)(wt + g * TILE_KEYS + i), (__m256i)_mm512_cvtneps_pbh(
@@ -1351,10 +1355,6 @@ INLINE __m512 load16_bf16(const bf16_t* p) { /* 16 bfloat16 values as float32 */
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-/* The first n of 16 lanes (none for n <= 0). */
-INLINE __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
 INLINE void vnni_queries(const decode_args* a, int phase, const int64_t D, const int64_t G) {
   (void)G;
   if (phase != 0) return;
@@ -1635,7 +1635,7 @@ INLINE void amx_scores(const decode_args* a, int b, const int64_t D, const int64
       _tile_dpbf16ps(0, 5, 7);
     }
     _tile_stored(0, s, G * 4);
-    const __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 m = first_lanes(n - i);
     const __m512 f = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, st->sc[b] + i),
                                    _mm512_set1_ps(a->scale));
     for (int64_t g = 0; g < G; g++) { /* the scores [keys][G] to the rows [G][keys] */
@@ -1695,9 +1695,7 @@ INLINE void amx_int_rows(const uint8_t* restrict v, int64_t vs, int64_t n,
   amx_state* st = amx_at;
   float sc[TILE_KEYS];
   for (int64_t i = 0; i < n; i++) sc[i] = row_scale(v + i * vs, D);
-  const __mmask16 m0 = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-  const __mmask16 m1 = n >= 32 ? (__mmask16)0xffff
-                     : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : (__mmask16)0;
+  const __mmask16 m0 = first_lanes(n), m1 = first_lanes(n - 16);
   const __m512 s0 = _mm512_maskz_loadu_ps(m0, sc), s1 = _mm512_maskz_loadu_ps(m1, sc + 16);
   const __m512i byte = _mm512_set1_epi32(255);
   uint8_t* wq = st->wq[b];
