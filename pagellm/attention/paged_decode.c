@@ -1447,11 +1447,16 @@ INLINE void score_rows_int8_vnni(const decode_args* a, const uint8_t* k, int64_t
       transpose16(r, t);
       for (int64_t g = 0; g < G; g++) {
         const int8_t* qg = vnni_query(a, r0 + g) + dc;
-        __m512i hi = _mm512_setzero_si512(), lo = _mm512_setzero_si512();
-        for (int u = 0; u < 16; u++) {
-          hi = _mm512_dpbusd_epi32(hi, t[u], bcast4(qg + 4 * u));
-          lo = _mm512_dpbusd_epi32(lo, t[u], bcast4(qg + D + 4 * u));
+        /* two sums each for hi and lo (odd and even u): chains of 8 products, not 16 */
+        __m512i hi0 = _mm512_setzero_si512(), lo0 = _mm512_setzero_si512();
+        __m512i hi1 = _mm512_setzero_si512(), lo1 = _mm512_setzero_si512();
+        for (int u = 0; u < 16; u += 2) {
+          hi0 = _mm512_dpbusd_epi32(hi0, t[u], bcast4(qg + 4 * u));
+          lo0 = _mm512_dpbusd_epi32(lo0, t[u], bcast4(qg + D + 4 * u));
+          hi1 = _mm512_dpbusd_epi32(hi1, t[u + 1], bcast4(qg + 4 * u + 4));
+          lo1 = _mm512_dpbusd_epi32(lo1, t[u + 1], bcast4(qg + D + 4 * u + 4));
         }
+        const __m512i hi = _mm512_add_epi32(hi0, hi1), lo = _mm512_add_epi32(lo0, lo1);
         const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
         sums[g] = dc == 0 ? s : _mm512_add_epi32(sums[g], s);
       }
