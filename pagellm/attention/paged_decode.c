@@ -1602,7 +1602,7 @@ INLINE uint32_t* query_pairs(const decode_args* a, int64_t r0) {
          + r0 * (a->head_dim / 2);
 }
 /* A thread's decoded blocks: two of each pass's, the one whose products are pending and the
-   one being decoded; allocated on a thread's first call, kept for its later ones. */
+   one being decoded; in the workspace (amx_state_of), so the kernel allocates nothing. */
 typedef struct {
   bf16_t tile[2][TILE_KEYS * 256]; /* pass 1: the key rows */
   float sc[2][TILE_KEYS];          /* and their scales */
@@ -1620,6 +1620,15 @@ typedef struct {
   int pending, next;
 } amx_state;
 static __thread amx_state* amx_at __attribute__((tls_model("initial-exec")));
+/* Thread t's state: the workspace's last part, after the rows' query areas, AMX_STATE_FLOATS
+   for each thread on 64-byte lines (cpu_kernel.decode_workspace makes room for it where
+   paged_decode_amx_state_floats() says so). */
+#define AMX_STATE_FLOATS ((int64_t)(sizeof(amx_state) + 63) / 64 * 16)
+INLINE amx_state* amx_state_of(const decode_args* a, int64_t t) {
+  const int64_t rows = a->num_seqs * a->num_heads, D = a->head_dim;
+  const int64_t at = (rows * (row_floats(a) + a->num_threads * D + D / 2 + 2) + 15) / 16 * 16;
+  return (amx_state*)(a->workspace + at + t * AMX_STATE_FLOATS);
+}
 INLINE void amx_scores(const decode_args* a, int b, const int64_t D, const int64_t G) {
   amx_state* st = amx_at;
   const uint32_t* qp = st->qp[b];
@@ -1808,7 +1817,7 @@ INLINE void amx_phase_as(const decode_args* a, int phase, const int64_t D, const
         for (int64_t r = 0; r < D / 2; r++) qp[r * G + g] = qg[r];
       }
     }
-    if (!amx_at) amx_at = (amx_state*)aligned_alloc(64, sizeof(amx_state));
+    amx_at = amx_state_of(a, omp_get_thread_num());
   }
   if (phase % 2 == 0) {
     amx_at->int_values = phase == 2 && int_values;
@@ -2008,7 +2017,10 @@ Q8_ENTRY(f32, e5m2, q8_f32_lut)
 Q8_ENTRY(bf16, int8, q8_bf16_int8)
 Q8_ENTRY(bf16, e4m3, q8_bf16_lut)
 Q8_ENTRY(bf16, e5m2, q8_bf16_lut)
-#ifndef USE_Q8_AMX
+#ifdef USE_Q8_AMX
+int64_t paged_decode_amx_state_floats(void) { return AMX_STATE_FLOATS; }
+#else
+int64_t paged_decode_amx_state_floats(void) { return 0; }
 int paged_decode_amx(int on) { (void)on; return 0; }
 int paged_decode_amx_int8(int on) { (void)on; return 0; }
 #endif

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from test_kv_quant import (  # noqa: F401  collected here as well, on the emulated build
-    amx, test_amx_int8_values_match_the_reference, test_amx_products_match_the_table_kernels,
+    amx, test_amx_int8_values_match_the_reference, test_amx_kernels_keep_within_their_workspace,
+    test_amx_products_match_the_table_kernels,
     test_non_finite_queries_and_rows_reach_only_their_heads)
 
 from pagellm import native

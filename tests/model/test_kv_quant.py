@@ -328,6 +328,33 @@ def test_amx_products_match_the_table_kernels(fmt_name, head_dim, num_heads, num
     torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=1e-3, rtol=2 ** -7)
 
 
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8_e4m3"])
+def test_amx_kernels_keep_within_their_workspace(fmt_name, amx, monkeypatch):
+    """The AMX kernels keep each thread's decoded tiles in the workspace, its last part
+    (nothing allocated per thread): with a workspace of exactly decode_workspace's size and a
+    guard after it, the guard is untouched and the output is the one of the shared
+    workspace."""
+    batch = [(0, 1), (40, 1), (99, 1)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+        batch, 16, torch.bfloat16, fmt_name, num_heads=12, num_kv_heads=4, head_dim=64, seed=3)
+    cpu_kernel.use_amx_int8_values(fmt_name == "int8")
+    try:
+        shared = quantized_backend.paged_attention(q, k, v, cache, metadata, 0.125, None)
+        buffers = []
+
+        def exact(numel):
+            buffers.append((numel, torch.full((numel + 4096,), 7.0)))
+            return buffers[-1][1]
+        monkeypatch.setattr(cpu_kernel._KERNEL, "scratch", exact)
+        guarded = quantized_backend.paged_attention(q, k, v, cache, metadata, 0.125, None)
+    finally:
+        cpu_kernel.use_amx_int8_values(False)
+    assert buffers and cpu_kernel.vector_paths()["8-bit"].startswith("AMX")
+    for numel, buffer in buffers:
+        assert (buffer[numel:] == 7.0).all()
+    assert torch.equal(guarded, shared)
+
+
 @pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size, window",
                          [(64, 12, 4, 16, None), (128, 8, 8, 1, None), (256, 8, 2, 32, 20),
                           (64, 8, 1, 40, None), (128, 16, 2, 16, 7), (64, 17, 1, 16, None)])
