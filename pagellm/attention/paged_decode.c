@@ -1700,7 +1700,8 @@ INLINE void amx_values(int b, const int64_t D) {
    chunk holds dimensions 16 j.. 16 j + 15 in order (the unpacks work within 128-bit lanes). */
 static uint8_t quad_perm[64] __attribute__((aligned(64)));
 __attribute__((constructor)) static void init_quad_perm(void) {
-  for (int p = 0; p < 64; p++) quad_perm[p] = (uint8_t)((p >> 2 & 3) << 4 | (p >> 4 & 3) << 2 | (p & 3));
+  for (int p = 0; p < 64; p++)
+    quad_perm[p] = (uint8_t)((p >> 2 & 3) << 4 | (p >> 4 & 3) << 2 | (p & 3));
 }
 INLINE __m512i quad_index(void) { return _mm512_load_si512(quad_perm); }
 INLINE void amx_int_rows(const uint8_t* restrict v, int64_t vs, int64_t n,
@@ -1777,7 +1778,8 @@ INLINE void amx_int_values(int b, const int64_t D, const int64_t G) {
       const __m512 f = _mm512_set1_ps(st->wf[b][g]);
       float* ag = st->out[b] + g * D + dc;
       for (int c = 0; c < 4; c++) {
-        const __m512i u = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(s + g * 64 + 16 * c), 8),
+        const __m512i hi = _mm512_load_si512(s + g * 64 + 16 * c);
+        const __m512i u = _mm512_add_epi32(_mm512_slli_epi32(hi, 8),
                                            _mm512_load_si512(s + (G + g) * 64 + 16 * c));
         _mm512_storeu_ps(ag + 16 * c,
                          _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), f, _mm512_loadu_ps(ag + 16 * c)));

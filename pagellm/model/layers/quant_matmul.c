@@ -46,9 +46,9 @@
  * so a block of 32 columns takes 8 of them for 16 columns and no horizontal sums.
  *
  * x and out are float32 or bfloat16 (x_bf16); bfloat16 x is widened into the caller's
- * workspace (M * K floats, then the group sums of int4 and int8_zero; int4_a8_matmul: the activations' scales,
- * group sums and codes) once per call. Output columns are split across OpenMP threads
- * (torch's, see pagellm/native.py).
+ * workspace (M * K floats, then the group sums of int4 and int8_zero; int4_a8_matmul: the
+ * activations' scales, group sums and codes) once per call. Output columns are split across
+ * OpenMP threads (torch's, see pagellm/native.py).
  */
 #include <stdint.h>
 #include <math.h>
@@ -260,7 +260,8 @@ static inline void zero_terms(const qmm_args *a, const float *xw, int64_t groups
   int64_t i = 0;
   for (; i + 8 <= len; i += 8) {
     const __m256 p = load_params(a->params, n * len + i, a->params_dtype);
-    for (int r = 0; r < T; r++) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(xw + r * len + i), acc[r]);
+    for (int r = 0; r < T; r++)
+      acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(xw + r * len + i), acc[r]);
   }
   for (int r = 0; r < T; r++) {
     zsum[r] = hsum8(acc[r]);
@@ -388,7 +389,8 @@ INLINE void int8_group(const int8_t *q, const float *x, int64_t xs, int64_t k0, 
       }
     }
   if (k < k0 + gs) { /* a group of 8 * odd columns: its last 8 */
-    const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k))));
+    const __m256 w =
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k))));
     for (int r = 0; r < T; r++)
       sum[r][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * xs + k), sum[r][0]);
   }
@@ -539,7 +541,8 @@ static inline void bf16_wide(const qmm_args *a, const float *x, int64_t xs, int6
 static inline int quantize_block(const void *x, int64_t i, int bf16, int8_t *q, float *d) {
   __m256 v[4];
   for (int p = 0; p < 4; p++)
-    v[p] = bf16 ? load_params(x, i + 8 * p, PARAMS_BF16) : _mm256_loadu_ps((const float *)x + i + 8 * p);
+    v[p] = bf16 ? load_params(x, i + 8 * p, PARAMS_BF16)
+                : _mm256_loadu_ps((const float *)x + i + 8 * p);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask));
   m = _mm256_max_ps(m, _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
