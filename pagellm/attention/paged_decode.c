@@ -174,6 +174,11 @@ INLINE float* partial_sum(const decode_args* a, int64_t t, int64_t row) {
   const int64_t rows = a->num_seqs * a->num_heads;
   return a->workspace + rows * row_floats(a) + (t * rows + row) * a->head_dim;
 }
+/* After the partial sums: the query areas of the AMX and AVX512-VNNI kernels (head_dim / 2
+   + 2 floats per row), then (AMX) each thread's state from the next 64-byte line. */
+INLINE float* query_area(const decode_args* a) {
+  return partial_sum(a, a->num_threads, 0);
+}
 
 /* ---- portable inner loops ------------------------------------------------------------- */
 
@@ -1347,9 +1352,7 @@ INLINE float weight_step(__m512 x0, __m512 x1, float full, float* to_codes) {
    32 keys * 32767 * 127), then out += (m / 32767) sum. Each weight is off by at most
    m / 65534 where a bfloat16 one is off by up to 2^-9 of itself. */
 INLINE int8_t* vnni_query(const decode_args* a, int64_t r) { /* qh[D], ql[D], C, factor */
-  const int64_t rows = a->num_seqs * a->num_heads;
-  return (int8_t*)(a->workspace + rows * row_floats(a) + a->num_threads * rows * a->head_dim
-                   + r * (a->head_dim / 2 + 2));
+  return (int8_t*)(query_area(a) + r * (a->head_dim / 2 + 2));
 }
 INLINE __m512 load16_bf16(const bf16_t* p) { /* 16 bfloat16 values as float32 */
   return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -1597,9 +1600,7 @@ INLINE void amx_configure(int pass, const int64_t G, int int_values) {
    workspace (decode_workspace counts them): those of the G heads from workspace row r0 at
    query_pairs(a, r0), [D / 2 pairs][G heads] word pairs. */
 INLINE uint32_t* query_pairs(const decode_args* a, int64_t r0) {
-  const int64_t rows = a->num_seqs * a->num_heads;
-  return (uint32_t*)(a->workspace + rows * row_floats(a) + a->num_threads * rows * a->head_dim)
-         + r0 * (a->head_dim / 2);
+  return (uint32_t*)query_area(a) + r0 * (a->head_dim / 2);
 }
 /* A thread's decoded blocks: two of each pass's, the one whose products are pending and the
    one being decoded; in the workspace (amx_state_of), so the kernel allocates nothing. */
@@ -1625,8 +1626,8 @@ static __thread amx_state* amx_at __attribute__((tls_model("initial-exec")));
    paged_decode_amx_state_floats() says so). */
 #define AMX_STATE_FLOATS ((int64_t)(sizeof(amx_state) + 63) / 64 * 16)
 INLINE amx_state* amx_state_of(const decode_args* a, int64_t t) {
-  const int64_t rows = a->num_seqs * a->num_heads, D = a->head_dim;
-  const int64_t at = (rows * (row_floats(a) + a->num_threads * D + D / 2 + 2) + 15) / 16 * 16;
+  const int64_t at = (query_area(a) - a->workspace
+                      + a->num_seqs * a->num_heads * (a->head_dim / 2 + 2) + 15) / 16 * 16;
   return (amx_state*)(a->workspace + at + t * AMX_STATE_FLOATS);
 }
 INLINE void amx_scores(const decode_args* a, int b, const int64_t D, const int64_t G) {
