@@ -386,9 +386,10 @@ def weights(models: dict[str, str], new_tokens: int, group_size: int) -> dict:
     for label, model in models.items():
         a8 = ("int8_a8",) if quant_matmul.has_vnni_loops() else ()  # elsewhere refused
         for method in (None, "int8", *a8, "int4", "int4_a8"):
+            int4 = method in ("int4", "int4_a8")  # the group size is int4's alone
             llm = LLM(model, dtype="bfloat16", quantization=method and method[:4],
                       int8_activations=bool(method and method.endswith("_a8")),
-                      quantization_group_size=group_size, max_model_len=512,
+                      quantization_group_size=group_size if int4 else None, max_model_len=512,
                       kv_cache_memory_bytes=64 << 20)
             prompt = list(range(100, 116))
             params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

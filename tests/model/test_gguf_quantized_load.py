@@ -128,6 +128,11 @@ def test_gguf_method_needs_a_gguf_file_and_its_own_groups(model_zoo):
     with pytest.raises(ValueError, match=r"quantization_group_size.*does not apply to "
                                          r"quantization='gguf'"):
         EngineArgs(model="m.gguf", quantization="gguf", quantization_group_size=32).validate()
+    for method in (None, "int8"):  # int4's groups alone: refused, not ignored
+        with pytest.raises(ValueError, match=r"quantization_group_size=64 is invalid: applies "
+                                             rf"to quantization='int4' only \(got {method!r}"):
+            EngineArgs(model="m.gguf", quantization=method, quantization_group_size=64).validate()
+    EngineArgs(model="m.gguf", quantization="int4", quantization_group_size=64).validate()
     EngineArgs(model="m.gguf", quantization="gguf", int8_activations=True).validate()
 
 
