@@ -120,7 +120,7 @@ def format_report(r: dict[str, Any]) -> str:
     paragraphs = [
         f"{r['model']}: {r['num_layers']} layers, {r['num_attention_heads']} query heads, "
         f"{r['num_kv_heads']} KV heads ({kind}), head_dim {r['head_dim']}; "
-        f"KV cache in {r['dtype']} ({r['dtype_bytes']} bytes).",
+        f"KV cache in {r['dtype']} ({r['dtype_bytes']} byte{'s' * (r['dtype_bytes'] != 1)}).",
     ]
     formula = (
         f"  KV cache per token = 2 (K and V) x {r['num_layers']} layers x {r['num_kv_heads']} "
