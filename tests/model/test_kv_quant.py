@@ -86,6 +86,24 @@ def test_fake_quantize_is_idempotent_on_values():
     assert torch.allclose(kv_quant.fake_quantize(once, fmt), once, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+def test_decode_values_is_torch_s_conversion_for_every_code(fmt_name):
+    """decode_values (float16 bit moves for fp8) gives torch's own value of each of the 256
+    codes, bit for bit: NaN codes NaN, -0 as -0; in a strided view of rows as the caches
+    hold them."""
+    fmt = FORMATS[fmt_name]
+    codes = torch.arange(256, dtype=torch.uint8).view(4, 64)
+    raw = torch.cat([codes, torch.zeros(4, kv_quant.SCALE_BYTES, dtype=torch.uint8)], 1)
+    got = kv_quant.decode_values(raw, fmt)
+    want = codes.view(fmt.storage).float()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or (
+        torch.equal(got.isnan(), want.isnan())
+        and torch.equal(got[~got.isnan()].view(torch.int32),
+                        want[~want.isnan()].view(torch.int32)))
+    assert torch.equal(got.signbit(), want.signbit())
+
+
 def test_unknown_kv_cache_dtype_names_the_supported():
     with pytest.raises(ValueError, match="int8.*fp8_e5m2"):
         kv_quant.kv_format("int4")
