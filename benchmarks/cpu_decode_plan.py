@@ -45,7 +45,8 @@ def prompt(i: int) -> list[int]:
 def make_engine(model: str, weights: str, eager: bool, max_batch: int,
                 max_model_len: int, kv_cache_dtype: str) -> LLM:
     quantization = None if weights == "bfloat16" else weights[:4]
-    llm = LLM(model, dtype="bfloat16", quantization=quantization, quantization_group_size=32,
+    group = 32 if quantization == "int4" else None  # int4's alone
+    llm = LLM(model, dtype="bfloat16", quantization=quantization, quantization_group_size=group,
               int8_activations=weights == "int4_a8", max_model_len=max_model_len,
               kv_cache_memory_bytes=128 << 20, max_num_seqs=max_batch, enforce_eager=eager,
               kv_cache_dtype=kv_cache_dtype)
