@@ -37,7 +37,8 @@
 - ``weights``: batch-1 greedy decode tokens/s with bfloat16, int8 and int4 weights (and each
   with int8_activations, "int8_a8" and "int4_a8"; int8_a8 only on builds with the AVX512-VNNI
   loops, the only ones where int8 layers take them) on the "small" model and the real GGUF
-  model (--new-tokens, default 48, after a 16-token prompt).
+  model (--new-tokens, default 48, after a 16-token prompt), and prompt tokens/s of each
+  (four 256-token prompts in one step, one output token each; the faster of two passes).
 - ``matmul``: one projection of SmolLM2's shapes (bfloat16 activations, int4 groups of 32) at
   1, 4, 8, 16 and 64 rows: pagellm's compiled int4 (with and without int8_activations; and,
   on AVX512-VNNI builds, in panels of 16 columns, the layout int4 layers take there with
@@ -382,7 +383,7 @@ def _fit_in_arrival_order(prompt_lens: list[int], blocks: int, engine) -> int:
 
 
 def weights(models: dict[str, str], new_tokens: int, group_size: int) -> dict:
-    report = {}
+    report, prefill = {}, {}
     for label, model in models.items():
         a8 = ("int8_a8",) if quant_matmul.has_vnni_loops() else ()  # elsewhere refused
         for method in (None, "int8", *a8, "int4", "int4_a8"):
@@ -397,10 +398,21 @@ def weights(models: dict[str, str], new_tokens: int, group_size: int) -> dict:
                          use_tqdm=False)  # warm-up
             out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
             decode_s = out.metrics.finished_time - out.metrics.first_token_time
-            report[f"{label}/{method or 'bfloat16'}"] = round((new_tokens - 1) / decode_s, 1)
+            name = f"{label}/{method or 'bfloat16'}"
+            report[name] = round((new_tokens - 1) / decode_s, 1)
+            passes = []
+            for p in range(2):  # other tokens in each pass: no prefix-cache hits
+                prompts = [{"prompt_token_ids": list(range(1000 + 256 * (4 * p + i),
+                                                           1256 + 256 * (4 * p + i)))}
+                           for i in range(4)]
+                start = time.perf_counter()
+                llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+                passes.append(time.perf_counter() - start)
+            prefill[name] = round(4 * 256 / min(passes), 1)
             del llm
     return {"new_tokens": new_tokens, "int4_group_size": group_size,
-            "quantized_matmul": quant_matmul.describe(), "batch1_decode_tokens_per_s": report}
+            "quantized_matmul": quant_matmul.describe(), "batch1_decode_tokens_per_s": report,
+            "prompt_tokens_per_s": prefill}
 
 
 # SmolLM2-135M's projections (out_features, in_features): qkv, o, gate_up, down, LM head
