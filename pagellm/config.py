@@ -136,7 +136,7 @@ class EngineArgs:
                "quantization_group_size", self.quantization_group_size,
                "does not apply to quantization='gguf', which takes the file's own groups "
                "(32 columns, 16 for Q6_K, Q3_K and Q2_K); leave it unset")
-        _check(self.quantization_group_size is None or self.quantization in ("int4", "gguf"),
+        _check(self.quantization_group_size is None or self.quantization == "int4",
                "quantization_group_size", self.quantization_group_size,
                f"applies to quantization='int4' only (got {self.quantization!r}; int8 has a "
                "scale per output channel, or a GGUF file's own groups); leave it unset")
