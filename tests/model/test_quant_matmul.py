@@ -46,6 +46,8 @@ def test_the_native_build_has_the_loops_this_cpu_allows():
     assert bool(features & 2) == ("avx512f" in flags)
     assert bool(features & 4) == ({"avx2", "fma", "avx512_vnni", "avx512bw", "avx512vl"}
                                   <= flags)
+    assert bool(features & 8) == ({"avx2", "fma", "avx512_bf16", "avx512bw", "avx512vl"}
+                                  <= flags)
 
 
 def check_close(out: torch.Tensor, expected: torch.Tensor) -> None:
@@ -552,3 +554,122 @@ def test_bad_int8_groups_name_the_limit():
         Int8Weight(q, torch.ones(4, 8), 12)
     with pytest.raises(ValueError, match=r"shape \(4, 2\), expected \(4, 3\)"):
         Int8Weight(q, torch.ones(4, 2), 32)
+
+
+def needs_dot_products():
+    if not quant_matmul.has_dot_products():
+        pytest.skip("the AVX512-BF16 products are built for CPUs with AVX512-BF16 only")
+
+
+# rows: one block of 16 and a tail, tiles of 3 blocks and their tails (1, 2 blocks left)
+DOT_ROWS = (16, 17, 31, 47, 48, 49, 100, 161)
+
+
+@pytest.mark.parametrize("kind, group_size, in_features", [
+    ("int4", 32, 256), ("int4", 64, 320), ("int4", 128, 256), ("int4", 256, 512),
+    ("int8", None, 96), ("int8", 8, 40), ("int8", 32, 352), ("int8_zero", 16, 96),
+    ("int8_zero", 48, 96), ("int4", 32, 4096)])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dot_products_match_float64_reference(kind, group_size, in_features, param_dtype):
+    """The AVX512-BF16 products (bfloat16 rows from DOT_ROWS on): the float64 product of the
+    rows with the dequantized weight, rounded once to bfloat16, for every code kind, with
+    output columns not a multiple of the kernel's 8 (37), K with pairs not a multiple of 16
+    (40, 96: the repacking's tail) and K = 4096 (the rows taken a few blocks at a time);
+    with a bias; and the same bits as a prepared call (below GEMM_ROWS)."""
+    needs_dot_products()
+    gen = torch.Generator().manual_seed(11)
+    n, k = 37, in_features
+    x = torch.randn(max(DOT_ROWS), k, generator=gen).bfloat16()
+    x[1, :k // 2] = 0
+    x[2, 5] = 300.0
+    bias = torch.randn(n, generator=gen)
+    if kind == "int4":
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        params = torch.stack([torch.rand(n, k // group_size, generator=gen) * 0.1 + 0.01,
+                              torch.randn(n, k // group_size, generator=gen) * 0.1], -1)
+        params = params.to(param_dtype).contiguous()
+        p = params.double()
+        deq = ((q.double().view(n, -1, group_size) - 8) * p[..., :1] + p[..., 1:]).view(n, k)
+        codes = quant_matmul.pack_int4(q)
+    elif kind == "int8":
+        codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        shape = (n,) if group_size is None else (n, k // group_size)
+        params = (torch.rand(*shape, generator=gen) * 0.01 + 0.001).to(param_dtype)
+        p = params.double().view(n, -1, 1)
+        deq = (codes.double().view(n, p.shape[1], -1) * p).view(n, k)
+    else:
+        codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        params = torch.stack([torch.rand(n, k // group_size, generator=gen) * 0.01 + 0.001,
+                              -torch.rand(n, k // group_size, generator=gen) * 0.3], -1)
+        params = params.to(param_dtype).contiguous()
+        p = params.double()
+        deq = (codes.double().view(n, -1, group_size) * p[..., :1] + p[..., 1:]).view(n, k)
+    kernel = quant_matmul.QuantizedMatmul(kind, codes, params, group_size or k, bias)
+    for rows in DOT_ROWS:
+        assert kernel.runs_dot(rows, torch.bfloat16)
+        expected = x[:rows].double() @ deq.T
+        out = kernel(x[:rows], add_bias=False)
+        assert out.dtype == torch.bfloat16
+        check_close(out, expected)
+        check_close(kernel(x[:rows]), expected + bias.double())
+        if rows < quant_matmul.GEMM_ROWS:  # the CPU decode plan's calls
+            into = torch.empty(rows, n, dtype=torch.bfloat16)
+            kernel.prepared(x[:rows], into, torch.empty(0))()
+            assert torch.equal(into, out)
+    assert not kernel.runs_dot(quant_matmul.DOT_ROWS - 1, torch.bfloat16)
+    assert not kernel.runs_dot(max(DOT_ROWS), torch.float32)
+
+
+def test_dot_products_leave_odd_widths_to_the_other_paths():
+    """Per-channel int8 of an odd K has no whole pairs to multiply: the float loops (or the
+    dequantized GEMM) run it, to the same reference."""
+    weight, x = inputs(24, 45, torch.bfloat16, 32)
+    q, scale = int8_quantize(weight, torch.bfloat16)
+    kernel = quant_matmul.QuantizedMatmul("int8", q, scale, 45)
+    assert not kernel.runs_dot(32, torch.bfloat16)
+    check_close(kernel(x), x.double() @ (q.double() * scale.double()[:, None]).T)
+
+
+def test_dot_products_take_strided_rows():
+    """Rows with a row stride (a view of wider rows) and [batch, tokens, K]: as given."""
+    needs_dot_products()
+    weight, x = inputs(40, 64, torch.bfloat16, 48)
+    q, scale, zero = int4_quantize(weight, 32, torch.bfloat16)
+    params = torch.stack([scale, zero], -1).bfloat16().contiguous()
+    kernel = quant_matmul.QuantizedMatmul("int4", quant_matmul.pack_int4(q), params, 32)
+    p = params.double()
+    deq = ((q.double().view(40, -1, 32) - 8) * p[..., :1] + p[..., 1:]).view(40, 64)
+    expected = x.double() @ deq.T
+    wide = torch.cat([x, torch.ones(48, 8, dtype=torch.bfloat16)], 1)[:, :64]
+    check_close(kernel(wide), expected)
+    check_close(kernel(x.view(2, 24, 64)), expected.view(2, 24, 40))
+
+
+def test_layers_on_torch_kernels_take_the_dot_products_from_their_rows(monkeypatch):
+    """Where torch's int4 / int8 kernels are preferred (CPUs with AVX-512), the layers run
+    the AVX512-BF16 products from DOT_ROWS bfloat16 rows on: the float64 reference of their
+    dequantized weights, torch_product None there (the CPU decode plan then calls forward);
+    below DOT_ROWS, float32 rows and with int8 activations, what they ran before."""
+    needs_dot_products()
+    monkeypatch.setattr(quant_matmul, "preferred", lambda: False)
+    weight, x = inputs(48, 128, torch.bfloat16, 40, seed=5)
+    int4 = Int4Weight.quantize(weight, 32, torch.bfloat16)
+    int8 = Int8Weight.quantize(weight, torch.bfloat16)
+    assert not int4.compiled and not int8.compiled
+    assert int4.nbytes == (int4.packed.nbytes + int4.row_codes.nbytes
+                           + 2 * int4.scale_and_zero.nbytes)
+    assert torch.equal(int4.codes(), int4_quantize(weight, 32, torch.bfloat16)[0])
+    for layer in (int4, int8):
+        deq = layer.dequantized().double()
+        for rows in (quant_matmul.DOT_ROWS, 40):
+            assert layer.torch_product(x[:rows]) is None
+            out = layer(x[:rows])
+            assert torch.equal(out, layer.kernel(x[:rows]))
+            check_close(out, x[:rows].double() @ deq.T)
+        few = x[:quant_matmul.DOT_ROWS - 1]
+        assert torch.equal(layer(few), layer.torch_product(few)())
+        assert not layer.kernel.runs_dot(40, torch.float32)
+    int4.int8_activations = True  # the compiled integer products, as before
+    assert int4.compiled and not hasattr(int4, "row_codes")
+    check_close(int4(x), quant_matmul.quantize_activations(x).double()
+                @ int4.dequantized().double().T)

@@ -1211,6 +1211,266 @@ void int8_panel_a8_matmul(const qmm_args *a) {
 }
 #endif
 
+/* Products of bfloat16 activations with int4 / int8 codes by AVX512-BF16 dot products
+ * (vdpbf16ps), for many rows (prefill). Every code, as the layers dequantize it (int4: q - 8,
+ * int8: q), is a small integer and exact in bfloat16, as are bfloat16 activations, so each
+ * product is exact in float32 and summed in float32: per group, the sum of codes times x,
+ * times the group's scale, plus the group's zero times the group's sum of x (int4,
+ * int8_zero), as the narrow tiles compute it. The result is the float64 product with the
+ * dequantized weight up to the order of float32 additions (and, as the instruction treats its
+ * inputs and outputs, with float32 subnormals taken as zero).
+ *
+ * Rows sit in the vector lanes: x is first repacked into blocks of 16 rows, [K / 2][16] pairs
+ * of columns (one 32-bit word per row and pair, the lanes of one vdpbf16ps operand), and
+ * DOT_COLS output columns at a time are dequantized to bfloat16 rows of K values, whose pairs
+ * are broadcast. A tile of DOT_BLOCKS blocks (48 rows) by DOT_COLS columns keeps its 24
+ * groups' sums in registers; the scaled totals go through a small buffer in L1. Threads split
+ * the columns; the rows are taken DOT_ROW_BYTES of repacked x at a time, so that a block of
+ * them stays in each core's L2 while every column passes over it. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QMM_DOT 1
+#define DOT_COLS 8
+#define DOT_BLOCKS 3
+#define DOT_ROW_BYTES (512 * 1024)
+
+enum { DOT_INT4 = 0, DOT_INT8 = 1, DOT_INT8_ZERO = 2 };
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline int dot_thread(void) { return omp_get_thread_num(); }
+#else
+static inline int dot_thread(void) { return 0; }
+#endif
+
+static inline int64_t dot_align(int64_t floats) { return (floats + 15) & ~(int64_t)15; }
+
+/* The workspace, in floats: the repacked rows, their group sums (kinds with zeros) and per
+ * thread DOT_COLS dequantized weight rows with their scales and zeros. */
+static int64_t dot_workspace(const qmm_args *a, int zeros) {
+  const int64_t K = a->in_features, groups = K / a->group_size, blocks = (a->rows + 15) / 16;
+  return dot_align(blocks * K * 8) + (zeros ? dot_align(blocks * groups * 16) : 0) +
+         a->num_threads * (dot_align(DOT_COLS * K / 2) + 2 * dot_align(DOT_COLS * groups));
+}
+
+/* 16 x 16 32-bit words: r[i] word j -> r[j] word i. */
+static inline void dot_transpose(__m512i r[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; i++) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) { /* b[4 i + c], 128-bit lane L: rows 4i..4i+3, word 4L + c */
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; c++) {
+    const __m512i lo1 = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i hi1 = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i lo2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i hi2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+    r[c] = _mm512_shuffle_i32x4(lo1, lo2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + c] = _mm512_shuffle_i32x4(lo1, lo2, _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + c] = _mm512_shuffle_i32x4(hi1, hi2, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + c] = _mm512_shuffle_i32x4(hi1, hi2, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+/* Rows 16 b .. 16 b + 15 of x (zeros past the last) into block b of xp, 16 pairs at a time
+ * by a transpose, and (xs not NULL) their group sums into block b of xs: dot products with
+ * pairs of ones, so in float32 as the tiles sum. */
+static void dot_pack_block(const qmm_args *a, int64_t b, uint32_t *xp, float *xs) {
+  const int64_t K = a->in_features, pairs = K / 2, gs = a->group_size, groups = K / gs;
+  const int64_t rows = a->rows - b * 16 < 16 ? a->rows - b * 16 : 16;
+  const bf16_t *x = (const bf16_t *)a->x + b * 16 * a->x_stride;
+  uint32_t *block = xp + b * pairs * 16;
+  int64_t p = 0;
+  for (; p + 16 <= pairs; p += 16) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++)
+      r[i] = i < rows ? _mm512_loadu_si512((const void *)(x + i * a->x_stride + 2 * p))
+                      : _mm512_setzero_si512();
+    dot_transpose(r);
+    for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(block + (p + j) * 16), r[j]);
+  }
+  for (; p < pairs; p++)
+    for (int i = 0; i < 16; i++) {
+      uint32_t word = 0;
+      if (i < rows) memcpy(&word, x + i * a->x_stride + 2 * p, 4);
+      block[p * 16 + i] = word;
+    }
+  if (xs) {
+    const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+    for (int64_t g = 0; g < groups; g++) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t q = g * gs / 2; q < (g + 1) * gs / 2; q++)
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512((const void *)(block + q * 16)),
+                               ones);
+      _mm512_storeu_ps(xs + (b * groups + g) * 16, sum);
+    }
+  }
+}
+
+/* Output columns n0 .. n0 + DOT_COLS - 1 (zeros past the last) as bfloat16 rows of codes
+ * (int4: q - 8) into w [DOT_COLS][K], their scales into sc and zeros into zr [DOT_COLS][groups]
+ * (zr NULL: symmetric int8). */
+static void dot_dequantize(const qmm_args *a, int kind, int64_t n0, bf16_t *w, float *sc,
+                           float *zr) {
+  const int64_t K = a->in_features, groups = K / a->group_size;
+  for (int j = 0; j < DOT_COLS; j++) {
+    const int64_t n = n0 + j;
+    bf16_t *wj = w + j * K;
+    if (n >= a->out_features) {
+      memset(wj, 0, K * sizeof(bf16_t));
+      for (int64_t g = 0; g < groups; g++) sc[j * groups + g] = 0;
+      if (zr)
+        for (int64_t g = 0; g < groups; g++) zr[j * groups + g] = 0;
+      continue;
+    }
+    if (kind == DOT_INT4) {
+      const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
+      const __m512i low = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
+      for (int64_t k = 0; k < K; k += 32) { /* byte j: column j (low nibble), j + 16 (high) */
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
+        const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(v, low), eight);
+        const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight);
+        _mm256_storeu_si256((__m256i *)(wj + k),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_cvtepi32_ps(lo)));
+        _mm256_storeu_si256((__m256i *)(wj + k + 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_cvtepi32_ps(hi)));
+      }
+    } else {
+      const int8_t *q = (const int8_t *)a->codes + n * K;
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k)));
+        _mm256_storeu_si256((__m256i *)(wj + k),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_cvtepi32_ps(v)));
+      }
+      for (; k < K; k++) wj[k] = f32_to_bf16((float)q[k]);
+    }
+    const int pair = kind != DOT_INT8; /* params [N, groups, 2] (scale, zero) */
+    for (int64_t g = 0; g < groups; g++) {
+      sc[j * groups + g] = param(a->params, (n * groups + g) << pair, a->params_dtype);
+      if (zr) zr[j * groups + g] = param(a->params, ((n * groups + g) << 1) + 1, a->params_dtype);
+    }
+  }
+}
+
+/* One tile: R (a constant after inlining) blocks of 16 rows from xp's block b0 on times the
+ * DOT_COLS dequantized columns, into out[r][j] (lane i: row 16 (b0 + r) + i), with 3 x 8
+ * sums in registers. With one group: out = sums times the scale. Else out starts at the zero
+ * terms (zr; or 0) and each group adds its sums times its scale there (out stays in L1). */
+INLINE void dot_tile(const uint32_t *xp, const float *xs, int64_t pairs, int64_t groups,
+                     int64_t gs, const bf16_t *w, const float *sc, const float *zr, int R,
+                     float out[DOT_BLOCKS][DOT_COLS][16]) {
+  const int64_t group_pairs = gs / 2;
+  const uint32_t *wr = (const uint32_t *)w;
+  __m512 acc[DOT_BLOCKS][DOT_COLS];
+  const int single = groups == 1 && !zr;
+  if (!single) {
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+      for (int j = 0; j < DOT_COLS; j++) acc[r][j] = _mm512_setzero_ps();
+    if (zr)
+      for (int64_t g = 0; g < groups; g++)
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++) {
+          const __m512 sums = _mm512_loadu_ps(xs + (r * groups + g) * 16);
+#pragma GCC unroll 8
+          for (int j = 0; j < DOT_COLS; j++)
+            acc[r][j] = _mm512_fmadd_ps(sums, _mm512_set1_ps(zr[j * groups + g]), acc[r][j]);
+        }
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+      for (int j = 0; j < DOT_COLS; j++) _mm512_storeu_ps(out[r][j], acc[r][j]);
+  }
+  for (int64_t g = 0; g < groups; g++) {
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+      for (int j = 0; j < DOT_COLS; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; p++) {
+      __m512bh xv[DOT_BLOCKS];
+#pragma GCC unroll 3
+      for (int r = 0; r < R; r++)
+        xv[r] = (__m512bh)_mm512_loadu_si512((const void *)(xp + (r * pairs + p) * 16));
+#pragma GCC unroll 8
+      for (int j = 0; j < DOT_COLS; j++) {
+        const __m512bh wv = (__m512bh)_mm512_set1_epi32((int)wr[j * pairs + p]);
+#pragma GCC unroll 3
+        for (int r = 0; r < R; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv[r], wv);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < DOT_COLS; j++) {
+      const __m512 scale = _mm512_set1_ps(sc[j * groups + g]);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; r++)
+        _mm512_storeu_ps(out[r][j], single ? _mm512_mul_ps(acc[r][j], scale)
+                                           : _mm512_fmadd_ps(acc[r][j], scale,
+                                                             _mm512_loadu_ps(out[r][j])));
+    }
+  }
+}
+
+static void dot_gemm(const qmm_args *a, int kind) {
+  const int64_t M = a->rows, N = a->out_features, K = a->in_features, pairs = K / 2;
+  const int64_t gs = a->group_size, groups = K / gs, blocks = (M + 15) / 16;
+  const int zeros = kind != DOT_INT8;
+  uint32_t *xp = (uint32_t *)a->workspace;
+  float *xs = zeros ? a->workspace + dot_align(blocks * K * 8) : NULL;
+  float *own = a->workspace + dot_align(blocks * K * 8) +
+               (zeros ? dot_align(blocks * groups * 16) : 0);
+  const int64_t own_floats = dot_align(DOT_COLS * K / 2) + 2 * dot_align(DOT_COLS * groups);
+  const int64_t chunks = (N + DOT_COLS - 1) / DOT_COLS;
+  int64_t step = DOT_ROW_BYTES / (pairs * 64) / DOT_BLOCKS * DOT_BLOCKS;
+  if (step < DOT_BLOCKS) step = DOT_BLOCKS;
+#pragma omp parallel num_threads(a->num_threads)
+  {
+    float *mine = own + dot_thread() * own_floats;
+    bf16_t *w = (bf16_t *)mine;
+    float *sc = mine + dot_align(DOT_COLS * K / 2);
+    float *zr = zeros ? sc + dot_align(DOT_COLS * groups) : NULL;
+    float out[DOT_BLOCKS][DOT_COLS][16];
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) dot_pack_block(a, b, xp, xs);
+    for (int64_t b1 = 0; b1 < blocks; b1 += step) {
+      const int64_t b2 = b1 + step < blocks ? b1 + step : blocks;
+#pragma omp for schedule(static)
+      for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * DOT_COLS;
+        dot_dequantize(a, kind, n0, w, sc, zr);
+        for (int64_t b0 = b1; b0 < b2; b0 += DOT_BLOCKS) {
+          const uint32_t *xt = xp + b0 * pairs * 16;
+          const float *st = zeros ? xs + b0 * groups * 16 : NULL;
+          const int R = b2 - b0 < DOT_BLOCKS ? (int)(b2 - b0) : DOT_BLOCKS;
+          if (R == 3) dot_tile(xt, st, pairs, groups, gs, w, sc, zr, 3, out);
+          else if (R == 2) dot_tile(xt, st, pairs, groups, gs, w, sc, zr, 2, out);
+          else dot_tile(xt, st, pairs, groups, gs, w, sc, zr, 1, out);
+          for (int r = 0; r < R; r++)
+            for (int i = 0; i < 16; i++) {
+              const int64_t m = (b0 + r) * 16 + i;
+              if (m >= M) break;
+              for (int j = 0; j < DOT_COLS && n0 + j < N; j++) store(a, m, n0 + j, out[r][j][i]);
+            }
+        }
+      }
+    }
+  }
+}
+
+int64_t dot_gemm_workspace(const qmm_args *a, int64_t kind) {
+  return dot_workspace(a, kind != DOT_INT8);
+}
+void int4_dot_gemm(const qmm_args *a) { dot_gemm(a, DOT_INT4); }
+void int8_dot_gemm(const qmm_args *a) { dot_gemm(a, DOT_INT8); }
+void int8_zero_dot_gemm(const qmm_args *a) { dot_gemm(a, DOT_INT8_ZERO); }
+#endif
+
 /* Dequantized rows [row0, row0 + count) of W as float32 [count, K]: the large-batch path,
  * where a float32 GEMM on a cache-sized slice of W beats widening each weight per tile. */
 void int4_dequantize(const qmm_args *a, int64_t row0, int64_t count, float *out) {
@@ -1272,7 +1532,8 @@ void round_activations(const qmm_args *a, float *out) {
 }
 
 /* Bit 0: the AVX2 inner loops are built in; bit 1: the build may use AVX-512; bit 2: the int8
- * activations' AVX512-VNNI loop. */
+ * activations' AVX512-VNNI loop; bit 3: the AVX512-BF16 products (int4_dot_gemm and its
+ * kin). */
 int quant_matmul_features(void) {
   int f = QMM_AVX2;
 #ifdef __AVX512F__
@@ -1280,6 +1541,9 @@ int quant_matmul_features(void) {
 #endif
 #ifdef QMM_VNNI
   f |= 4;
+#endif
+#ifdef QMM_DOT
+  f |= 8;
 #endif
   return f;
 }

@@ -40,6 +40,12 @@ _SLICE_FLOATS = 1 << 18  # ~1 MB of dequantized float32 weight per GEMM call
 # widen each code once for a tile of 8 rows, were as fast on the AVX2 EPYC (at 8 rows: 34.7 ms
 # against 37.9 for SmolLM2's 120 projections; at 4 rows the integer kernel 18.5 against 19.5)
 INTEGER_ROWS = 8
+# bfloat16 activations from this many rows on: the AVX512-BF16 products (int4_dot_gemm and
+# its kin) where the build has them. On a Zen 4 EPYC, SmolLM2's 1536 x 576 and 576 x 1536
+# projections with two threads: 8 rows 0.16 ms against torch's int4 kernel's 0.11, 16 rows
+# 0.17 against 0.21, and from 64 rows about half torch's time (docs/BENCHMARKS.md)
+DOT_ROWS = 16
+_DOT_KINDS = {"int4": 0, "int8": 1, "int8_zero": 2}
 # the int4 panels have no GEMM path (their kernel was faster at 16-1024 rows, see
 # int4_panel_a8_matmul); a product of more rows runs in calls of this many
 PANEL_CHUNK_ROWS = 256
@@ -57,8 +63,8 @@ class _Args(ctypes.Structure):
 
 class _Library(native.KernelLibrary):
     """quant_matmul.c loaded (None after a failed build), its features (bit 0: AVX2 loops,
-    bit 1: an AVX-512 build, bit 2: the int8 activations' AVX512-VNNI loop) and a grow-only
-    float32 workspace."""
+    bit 1: an AVX-512 build, bit 2: the int8 activations' AVX512-VNNI loop, bit 3: the
+    AVX512-BF16 products) and a grow-only float32 workspace."""
 
     features = 0
 
@@ -75,6 +81,12 @@ class _Library(native.KernelLibrary):
                 getattr(library, name).restype = None
             library.round_activations.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
             library.round_activations.restype = None
+            if hasattr(library, "dot_gemm_workspace"):  # AVX512-BF16 builds
+                for name in ("int4_dot_gemm", "int8_dot_gemm", "int8_zero_dot_gemm"):
+                    getattr(library, name).argtypes = [ctypes.POINTER(_Args)]
+                    getattr(library, name).restype = None
+                library.dot_gemm_workspace.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64]
+                library.dot_gemm_workspace.restype = ctypes.c_int64
             for name in ("int4_dequantize", "int8_dequantize", "int8_zero_dequantize"):
                 getattr(library, name).argtypes = [
                     ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -105,12 +117,20 @@ def has_vnni_loops() -> bool:
     return _LIBRARY.load() is not None and bool(_LIBRARY.features & 4)
 
 
+def has_dot_products() -> bool:
+    """Whether the loaded build has the AVX512-BF16 products of bfloat16 rows with int4 / int8
+    codes (int4_dot_gemm and its kin), which products of DOT_ROWS rows and more run."""
+    return _LIBRARY.load() is not None and bool(_LIBRARY.features & 8)
+
+
 def describe() -> str:
     """One line for humans: which kernels the quantized projections run."""
     library = _LIBRARY.load()
     if library is None:
         return f"torch's weight-only kernels (compiled ones {native.status()[WHAT]})"
     vnni = "; int8 activations by AVX512-VNNI" if _LIBRARY.features & 4 else ""
+    if _LIBRARY.features & 8:
+        vnni += f"; bfloat16 rows by AVX512-BF16 from {DOT_ROWS} rows"
     if not preferred():
         return ("torch's weight-only kernels (AVX-512 CPU); compiled ones for group-wise "
                 f"int8{vnni}")
@@ -215,6 +235,10 @@ class QuantizedMatmul:
         panels = self.panel_matmul() if integer else None
         if panels is not None:
             return panels(x, add_bias)
+        if not integer and self.runs_dot(num_rows, rows.dtype):
+            out = torch.empty(num_rows, self.out_features, dtype=rows.dtype)
+            self._dot_call(library, rows, out, bias)()
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         if integer and num_rows >= INTEGER_ROWS:
             # the float loops (or the GEMM) on the rounded rows
             rows, integer = _rounded_rows(library, args, rows), False
@@ -230,6 +254,28 @@ class QuantizedMatmul:
             getattr(library, _kernel(self.kind, integer))(self.pointer)
         out = out.to(x.dtype)  # rounded rows: float32, rounded once here
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def runs_dot(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a product of ``rows`` rows of ``dtype`` (without int8 activations) runs the
+        AVX512-BF16 kernel: bfloat16 rows, at least DOT_ROWS of them, where the build has it
+        (int4, int8 and int8_zero codes; groups of an even size: it multiplies pairs)."""
+        return (rows >= DOT_ROWS and dtype == torch.bfloat16 and self.kind in _DOT_KINDS
+                and self.args.group_size % 2 == 0 and has_dot_products())
+
+    def _dot_call(self, library: ctypes.CDLL, rows: torch.Tensor, out: torch.Tensor,
+                  bias: torch.Tensor | None, own: bool = False) -> Callable[[], None]:
+        """The AVX512-BF16 product of rows [M, K] (bfloat16, unit column stride) into out
+        [M, N] (bfloat16) as a call, with its workspace (the rows repacked, their group sums,
+        the threads' dequantized columns): the module's shared one, or with ``own`` one held
+        by the call (a call kept and run again later: the shared one may have moved)."""
+        args = _Args.from_buffer_copy(self.args)
+        _set_rows(args, rows)
+        args.out, args.bias = out.data_ptr(), None if bias is None else bias.data_ptr()
+        floats = library.dot_gemm_workspace(ctypes.byref(args), _DOT_KINDS[self.kind])
+        workspace = torch.empty(floats) if own else _LIBRARY.scratch(floats)
+        args.workspace = workspace.data_ptr()
+        call = native.PreparedCall(getattr(library, f"{self.kind}_dot_gemm"), args)
+        return lambda held=workspace: call()
 
     def panel_matmul(self) -> QuantizedMatmul | None:
         """Where the build has the AVX512-VNNI loops, symmetric int8 codes in whole blocks of
@@ -272,6 +318,8 @@ class QuantizedMatmul:
             raise ValueError(f"prepared: {rows} rows take the GEMM path")
         library = _LIBRARY.load()
         integer = self.integer()
+        if not integer and self.runs_dot(rows, x.dtype):
+            return self._dot_call(library, x, out, None, own=True)
         panels = self.panel_matmul() if integer else None
         if panels is not None:
             return panels.prepared(x, out, workspace)

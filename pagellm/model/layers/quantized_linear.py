@@ -14,7 +14,9 @@ against — is computed from the scales as stored.
 
 The products run in pagellm's compiled kernels (quant_matmul.py: float32 sums of the
 dequantized weights, AVX2 where the CPU has it), whose layout the codes are packed in at
-construction, where quant_matmul.preferred(). Elsewhere (no C compiler; CPUs with AVX-512)
+construction, where quant_matmul.preferred(); and, on builds with AVX512-BF16, the products
+of quant_matmul.DOT_ROWS bfloat16 rows and more (prefill, large batches), which sum exact
+bfloat16 products of the codes in float32. Elsewhere (no C compiler; CPUs with AVX-512)
 they run torch's weight-only kernels (``_weight_int8pack_mm``;
 ``_weight_int4pack_mm_for_cpu`` on codes packed by ``_convert_weight_to_int4pack_for_cpu``,
 which needs out_features % 16 == 0); group-wise int8, which torch has no kernel for, and
@@ -157,7 +159,7 @@ class Int8Weight(nn.Module):
         return cls(*int8_quantize(weight, dtype or weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compiled:
+        if self.compiled or self._runs_dot(x):
             return self.kernel(x)
         if self.scale.dim() == 1:
             return torch._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
@@ -168,9 +170,15 @@ class Int8Weight(nn.Module):
         that runs it on the same tensor x every time (the CPU decode plan: none of forward's
         Python, ~6 us a projection); None where forward runs anything else (the compiled
         kernels, group-wise scales, scales of another dtype than x's)."""
-        if self.compiled or self.scale.dim() != 1 or self.scale.dtype != x.dtype:
+        if (self.compiled or self._runs_dot(x) or self.scale.dim() != 1
+                or self.scale.dtype != x.dtype):
             return None
         return functools.partial(torch._weight_int8pack_mm, x, self.q, self.scale)
+
+    def _runs_dot(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) runs the compiled AVX512-BF16 product where torch's kernel (or
+        the dequantized weight) runs otherwise (QuantizedMatmul.runs_dot)."""
+        return self.kernel.runs_dot(x.numel() // self.in_features, x.dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``index`` [T] of dequantized() in ``dtype`` ([T, K]; one rounding, from
@@ -203,7 +211,9 @@ class Int4Weight(nn.Module):
 
     ``packed`` is quant_matmul.pack_int4's [N, K / 2] layout where the compiled kernels run,
     else torch's int4pack (with the parameters also held in its [K / group_size, N, 2]
-    layout). With int8 activations on a build with the AVX512-VNNI loops, both are in
+    layout), and then the codes are also held in pack_int4's layout (``row_codes``), which the
+    compiled AVX512-BF16 product reads for DOT_ROWS bfloat16 rows and more. With int8
+    activations on a build with the AVX512-VNNI loops, both are in
     quant_panels.pack_int4_panels' layout instead (``panels``; scales_and_zeros() gives the
     [N, K / group_size, 2] view)."""
 
@@ -219,7 +229,6 @@ class Int4Weight(nn.Module):
         self.compiled = quant_matmul.preferred()
         self._int8_activations = False
         self.panels = False
-        self._q = None  # the codes as given, kept by the torch layout (dequantized, codes)
         if self.compiled:
             self._pack_compiled(q)
         else:
@@ -231,7 +240,11 @@ class Int4Weight(nn.Module):
                 q.to(torch.int32).contiguous(), 1))
             self.register_buffer("torch_scale_and_zero",
                                  self.scale_and_zero.transpose(0, 1).contiguous())
-            self._q = q.to(torch.uint8)
+            # the codes in rows too (half a byte a weight; torch's layout is its own): what
+            # codes() reads and the AVX512-BF16 products run, from DOT_ROWS rows of bfloat16
+            self.register_buffer("row_codes", quant_matmul.pack_int4(q))
+            self.kernel = quant_matmul.QuantizedMatmul("int4", self.row_codes,
+                                                        self.scale_and_zero, group_size)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, group_size: int,
@@ -255,9 +268,8 @@ class Int4Weight(nn.Module):
             # torch's kernel would take the rounded rows in float32, its slow path (SmolLM2:
             # ~3 tok/s against ~50 on the compiled integer kernel, AVX2 EPYC): the compiled
             # kernels run them wherever they are built, on CPUs with AVX-512 too
-            self._pack_compiled(self._q)
-            del self.torch_scale_and_zero
-            self._q = None
+            self._pack_compiled(self.codes())
+            del self.torch_scale_and_zero, self.row_codes
             self.compiled = True
         elif self.compiled and self.panels != self._wants_panels():
             self._pack_compiled(self.codes())  # into the layout of the kernel that runs it
@@ -287,7 +299,7 @@ class Int4Weight(nn.Module):
             self.group_size, out_features=q.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compiled:
+        if self.compiled or self._runs_dot(x):
             return self.kernel(x)
         if self._int8_activations:  # the rounded rows in float32: bfloat16 would round again
             return torch._weight_int4pack_mm_for_cpu(
@@ -300,7 +312,7 @@ class Int4Weight(nn.Module):
         """As Int8Weight.torch_product: forward(x) as one bound call of torch's kernel, or
         None where forward runs anything else (the compiled kernels, int8 activations,
         parameters of another dtype than x's)."""
-        if (self.compiled or self._int8_activations
+        if (self.compiled or self._int8_activations or self._runs_dot(x)
                 or self.torch_scale_and_zero.dtype != x.dtype):
             return None
         return functools.partial(torch._weight_int4pack_mm_for_cpu, x, self.packed,
@@ -311,7 +323,13 @@ class Int4Weight(nn.Module):
         if self.panels:
             return quant_panels.unpack_int4_panels(self.packed, self.scale_and_zero,
                                                    self.kernel.out_features)[0]
-        return quant_matmul.unpack_int4(self.packed) if self.compiled else self._q
+        return quant_matmul.unpack_int4(self.packed if self.compiled else self.row_codes)
+
+    def _runs_dot(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) runs the compiled AVX512-BF16 product where torch's kernel is
+        preferred otherwise (QuantizedMatmul.runs_dot)."""
+        return not self._int8_activations and self.kernel.runs_dot(
+            x.numel() // self.kernel.in_features, x.dtype)
 
     def scales_and_zeros(self) -> torch.Tensor:
         """[N, K / group_size, 2] (scale, zero), as stored (the panels' parameters
