@@ -419,8 +419,22 @@ def weights(models: dict[str, str], new_tokens: int, group_size: int) -> dict:
 MATMUL_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
 
 
-def matmul(rounds: int) -> dict:
-    """ms per product, the fastest round of each variant (rounds interleave the variants)."""
+def without_dot(run):
+    """run() with the AVX512-BF16 products off (quant_matmul.DOT_ROWS out of reach): the
+    compiled route that runs the same product where the build has no AVX512-BF16."""
+    def call():
+        default, quant_matmul.DOT_ROWS = quant_matmul.DOT_ROWS, 1 << 30
+        try:
+            return run()
+        finally:
+            quant_matmul.DOT_ROWS = default
+    return call
+
+
+def matmul(rounds: int, row_counts: list[int]) -> dict:
+    """ms per product, the fastest round of each variant (rounds interleave the variants).
+    From quant_matmul.DOT_ROWS rows on, where the build has the AVX512-BF16 products, the
+    compiled variants run them, and the "_no_dot" ones the compiled route without them."""
     if not quant_matmul.available():
         raise SystemExit(f"the compiled kernels are off here: {quant_matmul.describe()}")
     gen, runs = torch.Generator().manual_seed(0), []
@@ -441,6 +455,10 @@ def matmul(rounds: int) -> dict:
         torch4_params = params.transpose(0, 1).contiguous()
         q8, scale8 = int8_quantize(weight, torch.bfloat16)
         ours8 = quant_matmul.QuantizedMatmul("int8", q8, scale8, in_features)
+        # a GGUF file's Q8_0 layout: int8 in groups of 32 (rows quantize independently)
+        q8g, scale8g = int8_quantize(weight.reshape(-1, 32), torch.bfloat16)
+        q8g, scale8g = q8g.view(out_features, in_features), scale8g.view(out_features, -1)
+        ours8g = quant_matmul.QuantizedMatmul("int8", q8g, scale8g, 32)
         panels8 = None
         if quant_matmul.has_vnni_loops():  # quantization="int8" with int8 activations
             panels8 = quant_matmul.QuantizedMatmul(
@@ -449,8 +467,9 @@ def matmul(rounds: int) -> dict:
         plain = Linear(in_features, out_features).bfloat16()  # the engine's bfloat16 route
         plain.weight.data = weight.bfloat16()
         plain.pack()
-        for rows in (1, 4, 8, 16, 64):
+        for rows in row_counts:
             x = torch.randn(rows, in_features, generator=gen).bfloat16()
+            dot = quant_matmul.has_dot_products() and rows >= quant_matmul.DOT_ROWS
             variants = {
                 "pagellm_int4": lambda: ours4(x),
                 "pagellm_int4_int8_activations": lambda: ours4_a8(x),
@@ -460,7 +479,11 @@ def matmul(rounds: int) -> dict:
                 "pagellm_int8": lambda: ours8(x),
                 **({"pagellm_int8_panels": lambda: panels8(x)} if panels8 else {}),
                 "torch_int8": lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scale8),
+                "pagellm_int8_group32": lambda: ours8g(x),
                 "pagellm_bfloat16": lambda: plain(x)}
+            if dot:
+                variants.update({f"{name}_no_dot": without_dot(variants[name]) for name in
+                                 ("pagellm_int4", "pagellm_int8", "pagellm_int8_group32")})
             calls = max(1, int(2e7 / (out_features * in_features * rows)))
             best = dict.fromkeys(variants, float("inf"))
             for _ in range(rounds):
@@ -485,7 +508,8 @@ def crossover(rounds: int) -> dict:
     """Where the compiled row kernels and the float32 GEMM on converted weight slices cross:
     one layer's four projections (SmolLM2's and the "small" model's shapes), bfloat16,
     int4/32 and per-channel int8 weights, at CROSSOVER_ROWS rows, each path forced (quant_matmul.GEMM_ROWS set
-    for the call); ms per layer, the fastest of ``rounds`` interleaved rounds."""
+    for the call; the AVX512-BF16 products, which take both paths' place from DOT_ROWS rows
+    where they are built, off); ms per layer, the fastest of ``rounds`` interleaved rounds."""
     if not quant_matmul.available():
         raise SystemExit(f"the compiled kernels are off here: {quant_matmul.describe()}")
     gen, runs, default = torch.Generator().manual_seed(0), [], quant_matmul.GEMM_ROWS
@@ -513,7 +537,7 @@ def crossover(rounds: int) -> dict:
                         quant_matmul.GEMM_ROWS = 1 << 30 if path == "kernel" else 1
                         start = time.perf_counter()
                         for product, x in zip(products[kind], xs):
-                            product(x)
+                            without_dot(lambda: product(x))()
                         best[name] = min(best[name], time.perf_counter() - start)
             finally:
                 quant_matmul.GEMM_ROWS = default
@@ -530,6 +554,7 @@ FLAG_MODES = {
     "prompts": ("quality",),
     "new_tokens": ("quality", "weights"),
     "iters": ("attention", "prefill-attention", "matmul", "crossover"),
+    "rows": ("matmul",),
     "budget": ("kv-memory",), "requests": ("kv-memory",), "seeds": ("kv-memory",),
     "kv_dtypes": ("attention",), "num_seqs": ("attention",), "context": ("attention",),
     "processes": ("attention",),
@@ -547,6 +572,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--iters", type=int, default=5, help="timed rounds (attention, prefill-attention, matmul, crossover)")
+    parser.add_argument("--rows", default="1,4,8,16,64",
+                        help="rows per product (matmul; default 1,4,8,16,64)")
     parser.add_argument("--budget", type=int, default=48 << 20, help="KV bytes (kv-memory)")
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--seeds", default="0,1,2,3,4", help="workload seeds (kv-memory)")
@@ -576,6 +603,12 @@ def main() -> None:
         num_seqs = []
     if not num_seqs or min(num_seqs) < 1:
         parser.error(f"--num-seqs {args.num_seqs!r}: give positive integers, comma-separated")
+    try:
+        row_counts = [int(n) for n in args.rows.split(",")]
+    except ValueError:
+        row_counts = []
+    if not row_counts or min(row_counts) < 1:
+        parser.error(f"--rows {args.rows!r}: give positive integers, comma-separated")
     if args.context < 1:
         parser.error(f"--context {args.context}: must be at least 1")
     if args.processes < 0:
@@ -597,7 +630,7 @@ def main() -> None:
         result = kv_memory(args.model or resolve_model("small"), args.budget, args.requests,
                            [int(seed) for seed in args.seeds.split(",")])
     elif args.mode == "matmul":
-        result = matmul(args.iters)
+        result = matmul(args.iters, row_counts)
     elif args.mode == "crossover":
         result = crossover(args.iters)
     else:

@@ -87,6 +87,9 @@ def test_attention_bad_arguments_are_usage_errors(args, named):
      "--budget is not read by mode 'attention'; the modes that read it: kv-memory"),
     (["matmul", "--group-size", "128"],
      "--group-size is not read by mode 'matmul'; the modes that read it: quality, weights"),
+    (["weights", "--rows", "16"],
+     "--rows is not read by mode 'weights'; the modes that read it: matmul"),
+    (["matmul", "--rows", "0,16"], "--rows '0,16': give positive integers"),
 ])
 def test_an_option_another_mode_reads_is_a_usage_error(args, named):
     done = subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True,
@@ -137,6 +140,7 @@ def test_crossover_report(monkeypatch):
     monkeypatch.setattr(bench, "CROSSOVER_ROWS", (3, 40))
     report = bench.crossover(1)
     assert report["gemm_rows"] == quant_matmul.GEMM_ROWS == 32  # the forced paths restored
+    assert quant_matmul.DOT_ROWS == 16
     assert [(r["shapes"], r["rows"]) for r in report["runs"]] == [
         (shapes, rows) for shapes in ("smollm2", "small") for rows in (3, 40)]
     for entry in report["runs"]:
@@ -144,3 +148,26 @@ def test_crossover_report(monkeypatch):
                                               ("bfloat16", "int4", "int8")
                                               for path in ("kernel", "gemm")}
         assert all(ms > 0 for ms in entry["ms_per_layer"].values())
+
+
+def test_matmul_report(monkeypatch):
+    """Every variant timed at each row count; the compiled route without the AVX512-BF16
+    products beside them from DOT_ROWS rows where they are built, DOT_ROWS restored after."""
+    from pagellm.model.layers import quant_matmul
+
+    if not quant_matmul.available():
+        pytest.skip("the compiled matmul kernels are off here")
+    bench = bench_module(monkeypatch)
+    monkeypatch.setattr(bench, "MATMUL_SHAPES", ((64, 96),))
+    report = bench.matmul(1, [3, quant_matmul.DOT_ROWS])
+    assert quant_matmul.DOT_ROWS == 16
+    assert [(r["shape"], r["rows"]) for r in report["runs"]] == [([64, 96], 3), ([64, 96], 16)]
+    plain = {"pagellm_int4", "pagellm_int4_int8_activations", "torch_int4", "pagellm_int8",
+             "torch_int8", "pagellm_int8_group32", "pagellm_bfloat16"}
+    if quant_matmul.has_vnni_loops():
+        plain |= {"pagellm_int4_panels", "pagellm_int8_panels"}
+    dot = ({"pagellm_int4_no_dot", "pagellm_int8_no_dot", "pagellm_int8_group32_no_dot"}
+           if quant_matmul.has_dot_products() else set())
+    assert set(report["runs"][0]["ms"]) == plain
+    assert set(report["runs"][1]["ms"]) == plain | dot
+    assert all(ms > 0 for entry in report["runs"] for ms in entry["ms"].values())
