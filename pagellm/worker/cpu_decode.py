@@ -15,7 +15,9 @@ arguments prepared once per number of sequences and buffers allocated once:
     then the final rms_norm.
 
 A projection on pagellm's compiled products (int4/int8, the bfloat16 kernel) is a prepared
-call too, for fewer than ``quant_matmul.GEMM_ROWS`` sequences; an int4/int8 layer on torch's
+call too, for fewer than ``quant_matmul.GEMM_ROWS`` sequences, and at any number where the
+AVX512-BF16 products take the rows (from ``quant_matmul.DOT_ROWS`` bfloat16 rows, on torch's
+kernels' layers too), in the plan's workspace; an int4/int8 layer on torch's
 kernels (AVX-512 CPUs) is that kernel's call with its arguments bound
 (``Int4Weight.torch_product``), its result copied into the plan's buffer; anything else (from
 GEMM_ROWS rows on the float32 GEMM, oneDNN's packed bfloat16 weights, a bias the bfloat16
@@ -43,12 +45,17 @@ from pagellm.model.layers import Linear, RotaryEmbedding, cpu_ops, quant_matmul
 from pagellm.native import PreparedCall
 
 
-def _matmul_of(linear: Linear) -> quant_matmul.QuantizedMatmul | None:
-    """The compiled product a decode step's Linear runs (weight-only quantized, or the
-    bfloat16 kernel), if it runs one."""
+def _matmul_of(linear: Linear, rows: int, dtype: torch.dtype
+               ) -> quant_matmul.QuantizedMatmul | None:
+    """The compiled product a decode step's Linear runs on ``rows`` rows of ``dtype``
+    (weight-only quantized: compiled, or torch's kernels' layers where the AVX512-BF16
+    product takes their rows; the bfloat16 kernel), if it runs one."""
     quantized = linear.quantized
     if quantized is not None:
-        return quantized.kernel if getattr(quantized, "compiled", False) else None
+        runs_dot = getattr(quantized, "runs_dot", None)
+        if getattr(quantized, "compiled", False) or (runs_dot and runs_dot(rows, dtype)):
+            return quantized.kernel
+        return None
     if linear.packed_weight is None and linear.upcast and linear.bf16_kernel is not None:
         return linear.bf16_kernel
     return None
@@ -58,14 +65,17 @@ def _projection(linear: Linear, x: torch.Tensor, out: torch.Tensor,
                 workspace: torch.Tensor) -> list[Callable[[], object]]:
     """The calls that write linear(x) into ``out``, as the layer's forward computes it.
 
-    A compiled product of fewer than GEMM_ROWS rows is a prepared call, and torch's int4/int8
-    kernel (the layer's torch_product) a bound call copied into ``out``, each with its bias
-    (quantized layers: ``out + bias``) added in place; any other projection (from GEMM_ROWS
-    rows on, the float32 GEMM; oneDNN's packed weights, the bfloat16 kernel with its bias in
-    the sums) runs the layer's forward on the same values, its result copied into ``out``."""
-    matmul = _matmul_of(linear)
+    A compiled product of fewer than GEMM_ROWS rows, or of any number the AVX512-BF16
+    product runs, is a prepared call, and torch's int4/int8 kernel (the layer's
+    torch_product) a bound call copied into ``out``, each with its bias (quantized layers:
+    ``out + bias``) added in place; any other projection (from GEMM_ROWS rows on, the float32
+    GEMM; oneDNN's packed weights, the bfloat16 kernel with its bias in the sums) runs the
+    layer's forward on the same values, its result copied into ``out``."""
+    rows = x.shape[0]
+    matmul = _matmul_of(linear, rows, x.dtype)
     calls: list[Callable[[], object]] | None = None
-    if (matmul is not None and x.shape[0] < quant_matmul.GEMM_ROWS
+    if (matmul is not None
+            and (rows < quant_matmul.GEMM_ROWS or matmul.runs_dot(rows, x.dtype))
             and (linear.bias is None or linear.quantized is not None)):
         calls = [matmul.prepared(x, out, workspace)]
     elif linear.quantized is not None:
@@ -108,7 +118,8 @@ class CpuDecodePlan:
         self.cos = torch.zeros(rows, self.head_dim, dtype=self.dtype)
         self.sin = torch.zeros(rows, self.head_dim, dtype=self.dtype)
         widest = max(hidden, inter)
-        # the prepared products' (fewer than GEMM_ROWS rows; the forward's GEMM from there)
+        # the prepared products' (fewer than GEMM_ROWS rows; the forward's GEMM from there;
+        # the AVX512-BF16 products' is sized per thread count, at the first step of each)
         kernel_rows = min(rows, quant_matmul.GEMM_ROWS - 1)
         self.workspace = torch.zeros(quant_matmul.workspace_floats(kernel_rows, widest) + 64)
         self.threads = 0
@@ -167,6 +178,9 @@ class CpuDecodePlan:
             self.threads = torch.get_num_threads()
             self.norm_scratch = torch.zeros(2 * self.residual.shape[1] * self.threads + 64)
             self._plans.clear()
+            dot = self._dot_workspace_floats()
+            if dot > self.workspace.numel():  # no plan holds the old one any more
+                self.workspace = torch.zeros(dot)
         decoder = self.model.model
         cos, sin = decoder.rotary_emb(metadata.positions, self.dtype)  # [rows, 1, D]
         self.cos[:rows].copy_(cos[:, 0])
@@ -186,6 +200,18 @@ class CpuDecodePlan:
         for call in calls:
             call()
         return self.final[:rows]
+
+    def _dot_workspace_floats(self) -> int:
+        """The widest workspace the AVX512-BF16 products of the decoder's projections take at
+        max_rows with the current thread count (it grows with rows), 0 where none runs."""
+        floats = 0
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                matmul = _matmul_of(linear, self.max_rows, self.dtype)
+                if matmul is not None and matmul.runs_dot(self.max_rows, self.dtype):
+                    floats = max(floats, matmul.dot_workspace_floats(self.max_rows))
+        return floats
 
     def _plan(self, rows: int) -> tuple[list[Callable[[], object]],
                                         list[tuple[PreparedCall, PreparedCall | None]]]:

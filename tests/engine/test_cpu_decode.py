@@ -14,6 +14,7 @@ from engine_helpers import make_prompts
 
 from pagellm import LLM, SamplingParams
 from pagellm.model.layers import quant_matmul
+from pagellm.native import PreparedCall
 from pagellm.worker.cpu_decode import CpuDecodePlan
 
 
@@ -195,6 +196,38 @@ def test_plan_on_torch_s_kernels(llama_dir, torch_matmuls, options):
         assert generate(llm, prompts[:count], plan, served) == generate(eager, prompts[:count],
                                                                         None, [])
     assert any(served)
+
+
+@pytest.mark.parametrize("options", [dict(quantization="int4", quantization_group_size=32),
+                                     dict(quantization="int8")])
+@pytest.mark.parametrize("matmuls", ["torch_matmuls", "compiled_matmuls"])
+def test_plan_runs_the_dot_products_in_its_workspace(llama_dir, request, monkeypatch,
+                                                      matmuls, options):
+    """Where the AVX512-BF16 products take a step's rows (DOT_ROWS: 4 here, 16 as shipped),
+    on torch's kernels' layers as on the compiled ones, every projection of the step is
+    their prepared call in the plan's workspace, grown for max_rows: the forward's tokens and
+    logprobs bit for bit; below DOT_ROWS the calls of before."""
+    if not quant_matmul.has_dot_products():
+        pytest.skip("the AVX512-BF16 products are built for CPUs with AVX512-BF16 only")
+    request.getfixturevalue(matmuls)
+    monkeypatch.setattr(quant_matmul, "DOT_ROWS", 4)
+    llm, eager = engine(llama_dir, **options), eager_twin(llama_dir, **options)
+    plan = plan_or_skip(llm)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(12, [5, 9, 3, 14], seed=4)]
+    served: list[int] = []
+    for count in (3, 12):
+        assert generate(llm, prompts[:count], plan, served) == generate(
+            eager, prompts[:count], None, [])
+    assert any(served)
+
+    def dot_calls(rows):
+        return [c for c in plan._plans[rows][0] if isinstance(c, PreparedCall)
+                and c.function.__name__.endswith("_dot_gemm")]
+
+    layers = llm.llm_engine.runner.model.model.layers
+    assert len(dot_calls(12)) == 4 * len(layers) and not dot_calls(3)
+    assert all(c.args.workspace == plan.workspace.data_ptr() for c in dot_calls(12))
+    assert plan.workspace.numel() >= plan._dot_workspace_floats() > 0
 
 
 @pytest.mark.parametrize("options", [dict(), dict(quantization="int4",

@@ -575,7 +575,7 @@ def test_dot_products_match_float64_reference(kind, group_size, in_features, par
     rows with the dequantized weight, rounded once to bfloat16, for every code kind, with
     output columns not a multiple of the kernel's 8 (37), K with pairs not a multiple of 16
     (40, 96: the repacking's tail) and K = 4096 (the rows taken a few blocks at a time);
-    with a bias; and the same bits as a prepared call (below GEMM_ROWS)."""
+    with a bias; and the same bits as a prepared call in a workspace of its size."""
     needs_dot_products()
     gen = torch.Generator().manual_seed(11)
     n, k = 37, in_features
@@ -612,10 +612,15 @@ def test_dot_products_match_float64_reference(kind, group_size, in_features, par
         assert out.dtype == torch.bfloat16
         check_close(out, expected)
         check_close(kernel(x[:rows]), expected + bias.double())
-        if rows < quant_matmul.GEMM_ROWS:  # the CPU decode plan's calls
-            into = torch.empty(rows, n, dtype=torch.bfloat16)
-            kernel.prepared(x[:rows], into, torch.empty(0))()
-            assert torch.equal(into, out)
+        # the CPU decode plan's calls, at every row count, in the workspace given
+        into = torch.empty(rows, n, dtype=torch.bfloat16)
+        floats = kernel.dot_workspace_floats(rows)
+        workspace = torch.empty(floats)  # held here: the call keeps only its pointer
+        kernel.prepared(x[:rows], into, workspace)()
+        assert torch.equal(into, out)
+        with pytest.raises(ValueError, match=f"a workspace of {floats - 1} floats; the "
+                                             f"product of {rows} rows needs {floats}"):
+            kernel.prepared(x[:rows], into, torch.empty(floats - 1))
     assert not kernel.runs_dot(quant_matmul.DOT_ROWS - 1, torch.bfloat16)
     assert not kernel.runs_dot(max(DOT_ROWS), torch.float32)
 

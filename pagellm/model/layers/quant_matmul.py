@@ -262,20 +262,31 @@ class QuantizedMatmul:
         return (rows >= DOT_ROWS and dtype == torch.bfloat16 and self.kind in _DOT_KINDS
                 and self.args.group_size % 2 == 0 and has_dot_products())
 
+    def dot_workspace_floats(self, rows: int) -> int:
+        """The workspace the AVX512-BF16 product of ``rows`` rows needs with the current
+        thread count, in floats (the rows repacked, their group sums, each thread's
+        dequantized columns; it grows with rows). Caller checks has_dot_products()."""
+        args = _Args.from_buffer_copy(self.args)
+        args.rows, args.num_threads = rows, torch.get_num_threads()
+        return _LIBRARY.load().dot_gemm_workspace(ctypes.byref(args), _DOT_KINDS[self.kind])
+
     def _dot_call(self, library: ctypes.CDLL, rows: torch.Tensor, out: torch.Tensor,
-                  bias: torch.Tensor | None, own: bool = False) -> Callable[[], None]:
+                  bias: torch.Tensor | None, workspace: torch.Tensor | None = None
+                  ) -> Callable[[], None]:
         """The AVX512-BF16 product of rows [M, K] (bfloat16, unit column stride) into out
-        [M, N] (bfloat16) as a call, with its workspace (the rows repacked, their group sums,
-        the threads' dequantized columns): the module's shared one, or with ``own`` one held
-        by the call (a call kept and run again later: the shared one may have moved)."""
+        [M, N] (bfloat16) as a call, in ``workspace`` (at least dot_workspace_floats(M)
+        floats; None: the module's shared one, for a call run at once)."""
         args = _Args.from_buffer_copy(self.args)
         _set_rows(args, rows)
         args.out, args.bias = out.data_ptr(), None if bias is None else bias.data_ptr()
         floats = library.dot_gemm_workspace(ctypes.byref(args), _DOT_KINDS[self.kind])
-        workspace = torch.empty(floats) if own else _LIBRARY.scratch(floats)
+        if workspace is None:
+            workspace = _LIBRARY.scratch(floats)
+        elif workspace.numel() < floats:
+            raise ValueError(f"prepared: a workspace of {workspace.numel()} floats; the "
+                             f"product of {args.rows} rows needs {floats}")
         args.workspace = workspace.data_ptr()
-        call = native.PreparedCall(getattr(library, f"{self.kind}_dot_gemm"), args)
-        return lambda held=workspace: call()
+        return native.PreparedCall(getattr(library, f"{self.kind}_dot_gemm"), args)
 
     def panel_matmul(self) -> QuantizedMatmul | None:
         """Where the build has the AVX512-VNNI loops, symmetric int8 codes in whole blocks of
@@ -308,18 +319,20 @@ class QuantizedMatmul:
 
     def prepared(self, x: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor
                  ) -> Callable[[], None]:
-        """This product of x [rows, K] (unit column stride, fewer than GEMM_ROWS rows) into
-        ``out`` [rows, N] (x's dtype) as a prepared call: the kernels __call__ would run for
-        x, with ``workspace`` (at least workspace_floats(rows, K) floats) and without the
-        bias.
+        """This product of x [rows, K] (unit column stride, fewer than GEMM_ROWS rows, or
+        any number the AVX512-BF16 product runs: runs_dot) into ``out`` [rows, N] (x's
+        dtype) as a prepared call: the kernels __call__ would run for x, with ``workspace``
+        (at least workspace_floats(rows, K) floats; dot_workspace_floats(rows) for the
+        AVX512-BF16 product) and without the bias. The call keeps the tensors' pointers
+        only: the caller holds x, out and workspace while it uses the call.
         Caller checks available()."""
         rows = x.shape[0]
-        if rows >= GEMM_ROWS:
-            raise ValueError(f"prepared: {rows} rows take the GEMM path")
         library = _LIBRARY.load()
         integer = self.integer()
         if not integer and self.runs_dot(rows, x.dtype):
-            return self._dot_call(library, x, out, None, own=True)
+            return self._dot_call(library, x, out, None, workspace)
+        if rows >= GEMM_ROWS:
+            raise ValueError(f"prepared: {rows} rows take the GEMM path")
         panels = self.panel_matmul() if integer else None
         if panels is not None:
             return panels.prepared(x, out, workspace)

@@ -159,7 +159,7 @@ class Int8Weight(nn.Module):
         return cls(*int8_quantize(weight, dtype or weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compiled or self._runs_dot(x):
+        if self.compiled or self.runs_dot(_rows_of(self, x), x.dtype):
             return self.kernel(x)
         if self.scale.dim() == 1:
             return torch._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
@@ -170,15 +170,16 @@ class Int8Weight(nn.Module):
         that runs it on the same tensor x every time (the CPU decode plan: none of forward's
         Python, ~6 us a projection); None where forward runs anything else (the compiled
         kernels, group-wise scales, scales of another dtype than x's)."""
-        if (self.compiled or self._runs_dot(x) or self.scale.dim() != 1
+        if (self.compiled or self.runs_dot(_rows_of(self, x), x.dtype) or self.scale.dim() != 1
                 or self.scale.dtype != x.dtype):
             return None
         return functools.partial(torch._weight_int8pack_mm, x, self.q, self.scale)
 
-    def _runs_dot(self, x: torch.Tensor) -> bool:
-        """Whether forward(x) runs the compiled AVX512-BF16 product where torch's kernel (or
-        the dequantized weight) runs otherwise (QuantizedMatmul.runs_dot)."""
-        return self.kernel.runs_dot(x.numel() // self.in_features, x.dtype)
+    def runs_dot(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether forward of ``rows`` rows of ``dtype`` runs the compiled AVX512-BF16 product
+        (self.kernel) where torch's kernel (or the dequantized weight) runs otherwise
+        (QuantizedMatmul.runs_dot)."""
+        return self.kernel.runs_dot(rows, dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``index`` [T] of dequantized() in ``dtype`` ([T, K]; one rounding, from
@@ -299,7 +300,7 @@ class Int4Weight(nn.Module):
             self.group_size, out_features=q.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compiled or self._runs_dot(x):
+        if self.compiled or self.runs_dot(_rows_of(self, x), x.dtype):
             return self.kernel(x)
         if self._int8_activations:  # the rounded rows in float32: bfloat16 would round again
             return torch._weight_int4pack_mm_for_cpu(
@@ -312,7 +313,7 @@ class Int4Weight(nn.Module):
         """As Int8Weight.torch_product: forward(x) as one bound call of torch's kernel, or
         None where forward runs anything else (the compiled kernels, int8 activations,
         parameters of another dtype than x's)."""
-        if (self.compiled or self._int8_activations or self._runs_dot(x)
+        if (self.compiled or self._int8_activations or self.runs_dot(_rows_of(self, x), x.dtype)
                 or self.torch_scale_and_zero.dtype != x.dtype):
             return None
         return functools.partial(torch._weight_int4pack_mm_for_cpu, x, self.packed,
@@ -325,11 +326,11 @@ class Int4Weight(nn.Module):
                                                    self.kernel.out_features)[0]
         return quant_matmul.unpack_int4(self.packed if self.compiled else self.row_codes)
 
-    def _runs_dot(self, x: torch.Tensor) -> bool:
-        """Whether forward(x) runs the compiled AVX512-BF16 product where torch's kernel is
-        preferred otherwise (QuantizedMatmul.runs_dot)."""
-        return not self._int8_activations and self.kernel.runs_dot(
-            x.numel() // self.kernel.in_features, x.dtype)
+    def runs_dot(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether forward of ``rows`` rows of ``dtype`` runs the compiled AVX512-BF16 product
+        (self.kernel) where torch's kernel is preferred otherwise (QuantizedMatmul.runs_dot;
+        never with int8 activations)."""
+        return not self._int8_activations and self.kernel.runs_dot(rows, dtype)
 
     def scales_and_zeros(self) -> torch.Tensor:
         """[N, K / group_size, 2] (scale, zero), as stored (the panels' parameters
@@ -350,6 +351,11 @@ class Int4Weight(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers())
+
+
+def _rows_of(layer: nn.Module, x: torch.Tensor) -> int:
+    """The rows of x [..., K] a layer's product multiplies."""
+    return x.numel() // layer.kernel.in_features
 
 
 def int8_quantize(weight: torch.Tensor, dtype: torch.dtype
