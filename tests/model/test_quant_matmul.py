@@ -623,6 +623,8 @@ def test_dot_products_match_float64_reference(kind, group_size, in_features, par
             kernel.prepared(x[:rows], into, torch.empty(floats - 1))
     assert not kernel.runs_dot(quant_matmul.DOT_ROWS - 1, torch.bfloat16)
     assert not kernel.runs_dot(max(DOT_ROWS), torch.float32)
+    # the rows are repacked a bounded number at a time: a long prompt needs no more
+    assert kernel.dot_workspace_floats(1 << 16) == kernel.dot_workspace_floats(1 << 20)
 
 
 def test_dot_products_leave_odd_widths_to_the_other_paths():

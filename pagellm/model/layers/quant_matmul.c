@@ -1224,9 +1224,10 @@ void int8_panel_a8_matmul(const qmm_args *a) {
  * of columns (one 32-bit word per row and pair, the lanes of one vdpbf16ps operand), and
  * DOT_COLS output columns at a time are dequantized to bfloat16 rows of K values, whose pairs
  * are broadcast. A tile of DOT_BLOCKS blocks (48 rows) by DOT_COLS columns keeps its 24
- * groups' sums in registers; the scaled totals go through a small buffer in L1. Threads split
- * the columns; the rows are taken DOT_ROW_BYTES of repacked x at a time, so that a block of
- * them stays in each core's L2 while every column passes over it. */
+ * groups' sums in registers; the scaled totals go through a small buffer in L1. The rows are
+ * repacked DOT_ROW_BYTES at a time (the threads split the blocks), so that they stay in each
+ * core's L2 while every column passes over them (the threads split the columns), and the
+ * workspace is bounded whatever the row count. */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QMM_DOT 1
 #define DOT_COLS 8
@@ -1244,11 +1245,20 @@ static inline int dot_thread(void) { return 0; }
 
 static inline int64_t dot_align(int64_t floats) { return (floats + 15) & ~(int64_t)15; }
 
-/* The workspace, in floats: the repacked rows, their group sums (kinds with zeros) and per
- * thread DOT_COLS dequantized weight rows with their scales and zeros. */
+/* Blocks of 16 rows taken at a time: DOT_ROW_BYTES of repacked rows, a whole number of tiles
+ * (at least one). */
+static int64_t dot_step(const qmm_args *a) {
+  const int64_t step = DOT_ROW_BYTES / (a->in_features / 2 * 64) / DOT_BLOCKS * DOT_BLOCKS;
+  return step < DOT_BLOCKS ? DOT_BLOCKS : step;
+}
+
+/* The workspace, in floats: one step's repacked rows and their group sums (kinds with zeros),
+ * and per thread DOT_COLS dequantized weight rows with their scales and zeros; bounded by the
+ * step, whatever the row count. */
 static int64_t dot_workspace(const qmm_args *a, int zeros) {
   const int64_t K = a->in_features, groups = K / a->group_size, blocks = (a->rows + 15) / 16;
-  return dot_align(blocks * K * 8) + (zeros ? dot_align(blocks * groups * 16) : 0) +
+  const int64_t held = blocks < dot_step(a) ? blocks : dot_step(a);
+  return dot_align(held * K * 8) + (zeros ? dot_align(held * groups * 16) : 0) +
          a->num_threads * (dot_align(DOT_COLS * K / 2) + 2 * dot_align(DOT_COLS * groups));
 }
 
@@ -1277,14 +1287,15 @@ static inline void dot_transpose(__m512i r[16]) {
   }
 }
 
-/* Rows 16 b .. 16 b + 15 of x (zeros past the last) into block b of xp, 16 pairs at a time
- * by a transpose, and (xs not NULL) their group sums into block b of xs: dot products with
- * pairs of ones, so in float32 as the tiles sum. */
-static void dot_pack_block(const qmm_args *a, int64_t b, uint32_t *xp, float *xs) {
+/* Rows 16 b .. 16 b + 15 of x (zeros past the last) into block ``slot`` of xp, 16 pairs at a
+ * time by a transpose, and (xs not NULL) their group sums into block ``slot`` of xs: dot
+ * products with pairs of ones, so in float32 as the tiles sum. */
+static void dot_pack_block(const qmm_args *a, int64_t b, int64_t slot, uint32_t *xp,
+                           float *xs) {
   const int64_t K = a->in_features, pairs = K / 2, gs = a->group_size, groups = K / gs;
   const int64_t rows = a->rows - b * 16 < 16 ? a->rows - b * 16 : 16;
   const bf16_t *x = (const bf16_t *)a->x + b * 16 * a->x_stride;
-  uint32_t *block = xp + b * pairs * 16;
+  uint32_t *block = xp + slot * pairs * 16;
   int64_t p = 0;
   for (; p + 16 <= pairs; p += 16) {
     __m512i r[16];
@@ -1307,7 +1318,7 @@ static void dot_pack_block(const qmm_args *a, int64_t b, uint32_t *xp, float *xs
       for (int64_t q = g * gs / 2; q < (g + 1) * gs / 2; q++)
         sum = _mm512_dpbf16_ps(sum, (__m512bh)_mm512_loadu_si512((const void *)(block + q * 16)),
                                ones);
-      _mm512_storeu_ps(xs + (b * groups + g) * 16, sum);
+      _mm512_storeu_ps(xs + (slot * groups + g) * 16, sum);
     }
   }
 }
@@ -1421,14 +1432,13 @@ static void dot_gemm(const qmm_args *a, int kind) {
   const int64_t M = a->rows, N = a->out_features, K = a->in_features, pairs = K / 2;
   const int64_t gs = a->group_size, groups = K / gs, blocks = (M + 15) / 16;
   const int zeros = kind != DOT_INT8;
+  const int64_t step = dot_step(a), held = blocks < step ? blocks : step;
   uint32_t *xp = (uint32_t *)a->workspace;
-  float *xs = zeros ? a->workspace + dot_align(blocks * K * 8) : NULL;
-  float *own = a->workspace + dot_align(blocks * K * 8) +
-               (zeros ? dot_align(blocks * groups * 16) : 0);
+  float *xs = zeros ? a->workspace + dot_align(held * K * 8) : NULL;
+  float *own = a->workspace + dot_align(held * K * 8) +
+               (zeros ? dot_align(held * groups * 16) : 0);
   const int64_t own_floats = dot_align(DOT_COLS * K / 2) + 2 * dot_align(DOT_COLS * groups);
   const int64_t chunks = (N + DOT_COLS - 1) / DOT_COLS;
-  int64_t step = DOT_ROW_BYTES / (pairs * 64) / DOT_BLOCKS * DOT_BLOCKS;
-  if (step < DOT_BLOCKS) step = DOT_BLOCKS;
 #pragma omp parallel num_threads(a->num_threads)
   {
     float *mine = own + dot_thread() * own_floats;
@@ -1436,17 +1446,17 @@ static void dot_gemm(const qmm_args *a, int kind) {
     float *sc = mine + dot_align(DOT_COLS * K / 2);
     float *zr = zeros ? sc + dot_align(DOT_COLS * groups) : NULL;
     float out[DOT_BLOCKS][DOT_COLS][16];
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) dot_pack_block(a, b, xp, xs);
-    for (int64_t b1 = 0; b1 < blocks; b1 += step) {
+    for (int64_t b1 = 0; b1 < blocks; b1 += step) { /* one step's blocks at slots 0, 1, ... */
       const int64_t b2 = b1 + step < blocks ? b1 + step : blocks;
+#pragma omp for schedule(static)
+      for (int64_t b = b1; b < b2; b++) dot_pack_block(a, b, b - b1, xp, xs);
 #pragma omp for schedule(static)
       for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * DOT_COLS;
         dot_dequantize(a, kind, n0, w, sc, zr);
         for (int64_t b0 = b1; b0 < b2; b0 += DOT_BLOCKS) {
-          const uint32_t *xt = xp + b0 * pairs * 16;
-          const float *st = zeros ? xs + b0 * groups * 16 : NULL;
+          const uint32_t *xt = xp + (b0 - b1) * pairs * 16;
+          const float *st = zeros ? xs + (b0 - b1) * groups * 16 : NULL;
           const int R = b2 - b0 < DOT_BLOCKS ? (int)(b2 - b0) : DOT_BLOCKS;
           if (R == 3) dot_tile(xt, st, pairs, groups, gs, w, sc, zr, 3, out);
           else if (R == 2) dot_tile(xt, st, pairs, groups, gs, w, sc, zr, 2, out);

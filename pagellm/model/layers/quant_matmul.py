@@ -264,8 +264,9 @@ class QuantizedMatmul:
 
     def dot_workspace_floats(self, rows: int) -> int:
         """The workspace the AVX512-BF16 product of ``rows`` rows needs with the current
-        thread count, in floats (the rows repacked, their group sums, each thread's
-        dequantized columns; it grows with rows). Caller checks has_dot_products()."""
+        thread count, in floats (the rows repacked ~512 KB at a time, their group sums, each
+        thread's dequantized columns; it grows with rows up to that bound). Caller checks
+        has_dot_products()."""
         args = _Args.from_buffer_copy(self.args)
         args.rows, args.num_threads = rows, torch.get_num_threads()
         return _LIBRARY.load().dot_gemm_workspace(ctypes.byref(args), _DOT_KINDS[self.kind])
