@@ -561,6 +561,17 @@ FLAG_MODES = {
 }
 
 
+def positive_integers(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """A comma-separated option's positive integers, or a usage error naming it."""
+    try:
+        values = [int(n) for n in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        parser.error(f"{flag} {text!r}: give positive integers, comma-separated")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("quality", "attention", "prefill-attention",
@@ -597,18 +608,8 @@ def main() -> None:
     if unknown or not kv_dtypes or len(set(kv_dtypes)) < len(kv_dtypes):
         parser.error(f"--kv-dtypes {args.kv_dtypes!r}: give distinct values among "
                      f"{', '.join(KV_DTYPES)}")
-    try:
-        num_seqs = [int(n) for n in args.num_seqs.split(",")]
-    except ValueError:
-        num_seqs = []
-    if not num_seqs or min(num_seqs) < 1:
-        parser.error(f"--num-seqs {args.num_seqs!r}: give positive integers, comma-separated")
-    try:
-        row_counts = [int(n) for n in args.rows.split(",")]
-    except ValueError:
-        row_counts = []
-    if not row_counts or min(row_counts) < 1:
-        parser.error(f"--rows {args.rows!r}: give positive integers, comma-separated")
+    num_seqs = positive_integers(parser, "--num-seqs", args.num_seqs)
+    row_counts = positive_integers(parser, "--rows", args.rows)
     if args.context < 1:
         parser.error(f"--context {args.context}: must be at least 1")
     if args.processes < 0:
