@@ -627,14 +627,22 @@ def test_dot_products_match_float64_reference(kind, group_size, in_features, par
     assert kernel.dot_workspace_floats(1 << 16) == kernel.dot_workspace_floats(1 << 20)
 
 
-def test_dot_products_leave_odd_widths_to_the_other_paths():
+def test_dot_products_leave_odd_widths_and_int8_activations_to_the_other_paths():
     """Per-channel int8 of an odd K has no whole pairs to multiply: the float loops (or the
-    dequantized GEMM) run it, to the same reference."""
+    dequantized GEMM) run it, to the same reference; with int8 activations the integer
+    products run, at every row count."""
     weight, x = inputs(24, 45, torch.bfloat16, 32)
     q, scale = int8_quantize(weight, torch.bfloat16)
     kernel = quant_matmul.QuantizedMatmul("int8", q, scale, 45)
     assert not kernel.runs_dot(32, torch.bfloat16)
     check_close(kernel(x), x.double() @ (q.double() * scale.double()[:, None]).T)
+    weight, x = inputs(24, 64, torch.bfloat16, 40)
+    q, scale = int8_quantize(weight, torch.bfloat16)
+    kernel = quant_matmul.QuantizedMatmul("int8", q, scale, 64)
+    kernel.int8_activations = True
+    assert kernel.integer() and not kernel.runs_dot(40, torch.bfloat16)
+    check_close(kernel(x), quant_matmul.quantize_activations(x).double()
+                @ (q.double() * scale.double()[:, None]).T)
 
 
 def test_dot_products_take_strided_rows():

@@ -235,7 +235,7 @@ class QuantizedMatmul:
         panels = self.panel_matmul() if integer else None
         if panels is not None:
             return panels(x, add_bias)
-        if not integer and self.runs_dot(num_rows, rows.dtype):
+        if self.runs_dot(num_rows, rows.dtype):
             out = torch.empty(num_rows, self.out_features, dtype=rows.dtype)
             self._dot_call(library, rows, out, bias)()
             return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
@@ -256,11 +256,13 @@ class QuantizedMatmul:
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def runs_dot(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether a product of ``rows`` rows of ``dtype`` (without int8 activations) runs the
-        AVX512-BF16 kernel: bfloat16 rows, at least DOT_ROWS of them, where the build has it
-        (int4, int8 and int8_zero codes; groups of an even size: it multiplies pairs)."""
+        """Whether a product of ``rows`` rows of ``dtype`` runs the AVX512-BF16 kernel:
+        bfloat16 rows, at least DOT_ROWS of them, where the build has it (int4, int8 and
+        int8_zero codes, without int8 activations; groups of an even size: it multiplies
+        pairs)."""
         return (rows >= DOT_ROWS and dtype == torch.bfloat16 and self.kind in _DOT_KINDS
-                and self.args.group_size % 2 == 0 and has_dot_products())
+                and not self.integer() and self.args.group_size % 2 == 0
+                and has_dot_products())
 
     def dot_workspace_floats(self, rows: int) -> int:
         """The workspace the AVX512-BF16 product of ``rows`` rows needs with the current
@@ -330,7 +332,7 @@ class QuantizedMatmul:
         rows = x.shape[0]
         library = _LIBRARY.load()
         integer = self.integer()
-        if not integer and self.runs_dot(rows, x.dtype):
+        if self.runs_dot(rows, x.dtype):
             return self._dot_call(library, x, out, None, workspace)
         if rows >= GEMM_ROWS:
             raise ValueError(f"prepared: {rows} rows take the GEMM path")
