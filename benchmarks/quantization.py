@@ -420,20 +420,22 @@ MATMUL_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
 
 
 def without_dot(run):
-    """run() with the AVX512-BF16 products off (quant_matmul.DOT_ROWS out of reach): the
-    compiled route that runs the same product where the build has no AVX512-BF16."""
+    """run() with the AVX512-BF16 products off (quant_matmul.DOT_ROWS and LOOP_DOT_ROWS out
+    of reach): the compiled route that runs the same product where the build has no
+    AVX512-BF16."""
     def call():
-        default, quant_matmul.DOT_ROWS = quant_matmul.DOT_ROWS, 1 << 30
+        default = quant_matmul.DOT_ROWS, quant_matmul.LOOP_DOT_ROWS
+        quant_matmul.DOT_ROWS = quant_matmul.LOOP_DOT_ROWS = 1 << 30
         try:
             return run()
         finally:
-            quant_matmul.DOT_ROWS = default
+            quant_matmul.DOT_ROWS, quant_matmul.LOOP_DOT_ROWS = default
     return call
 
 
 def matmul(rounds: int, row_counts: list[int]) -> dict:
     """ms per product, the fastest round of each variant (rounds interleave the variants).
-    From quant_matmul.DOT_ROWS rows on, where the build has the AVX512-BF16 products, the
+    From quant_matmul.LOOP_DOT_ROWS rows on, where the build has the AVX512-BF16 products, the
     compiled variants run them, and the "_no_dot" ones the compiled route without them."""
     if not quant_matmul.available():
         raise SystemExit(f"the compiled kernels are off here: {quant_matmul.describe()}")
@@ -469,7 +471,8 @@ def matmul(rounds: int, row_counts: list[int]) -> dict:
         plain.pack()
         for rows in row_counts:
             x = torch.randn(rows, in_features, generator=gen).bfloat16()
-            dot = quant_matmul.has_dot_products() and rows >= quant_matmul.DOT_ROWS
+            dot = quant_matmul.has_dot_products() and rows >= min(quant_matmul.DOT_ROWS,
+                                                                  quant_matmul.LOOP_DOT_ROWS)
             variants = {
                 "pagellm_int4": lambda: ours4(x),
                 "pagellm_int4_int8_activations": lambda: ours4_a8(x),
@@ -508,8 +511,9 @@ def crossover(rounds: int) -> dict:
     """Where the compiled row kernels and the float32 GEMM on converted weight slices cross:
     one layer's four projections (SmolLM2's and the "small" model's shapes), bfloat16,
     int4/32 and per-channel int8 weights, at CROSSOVER_ROWS rows, each path forced (quant_matmul.GEMM_ROWS set
-    for the call; the AVX512-BF16 products, which take both paths' place from DOT_ROWS rows
-    where they are built, off); ms per layer, the fastest of ``rounds`` interleaved rounds."""
+    for the call; the AVX512-BF16 products, which take both paths' place from LOOP_DOT_ROWS
+    rows where they are built, off); ms per layer, the fastest of ``rounds`` interleaved
+    rounds."""
     if not quant_matmul.available():
         raise SystemExit(f"the compiled kernels are off here: {quant_matmul.describe()}")
     gen, runs, default = torch.Generator().manual_seed(0), [], quant_matmul.GEMM_ROWS

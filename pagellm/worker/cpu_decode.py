@@ -16,8 +16,8 @@ arguments prepared once per number of sequences and buffers allocated once:
 
 A projection on pagellm's compiled products (int4/int8, the bfloat16 kernel) is a prepared
 call too, for fewer than ``quant_matmul.GEMM_ROWS`` sequences, and at any number where the
-AVX512-BF16 products take the rows (from ``quant_matmul.DOT_ROWS`` bfloat16 rows, on torch's
-kernels' layers too), in the plan's workspace; an int4/int8 layer on torch's
+AVX512-BF16 products take the rows (from ``quant_matmul.LOOP_DOT_ROWS`` bfloat16 rows, and
+``DOT_ROWS`` on torch's kernels' layers), in the plan's workspace; an int4/int8 layer on torch's
 kernels (AVX-512 CPUs) is that kernel's call with its arguments bound
 (``Int4Weight.torch_product``), its result copied into the plan's buffer; anything else (from
 GEMM_ROWS rows on the float32 GEMM, oneDNN's packed bfloat16 weights, a bias the bfloat16

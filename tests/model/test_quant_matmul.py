@@ -561,8 +561,9 @@ def needs_dot_products():
         pytest.skip("the AVX512-BF16 products are built for CPUs with AVX512-BF16 only")
 
 
-# rows: one block of 16 and a tail, tiles of 3 blocks and their tails (1, 2 blocks left)
-DOT_ROWS = (16, 17, 31, 47, 48, 49, 100, 161)
+# rows: LOOP_DOT_ROWS (a block of 16 mostly zeros), one block of 16 and a tail, tiles of 3
+# blocks and their tails (1, 2 blocks left)
+DOT_ROWS = (10, 16, 17, 31, 47, 48, 49, 100, 161)
 
 
 @pytest.mark.parametrize("kind, group_size, in_features", [
@@ -571,7 +572,7 @@ DOT_ROWS = (16, 17, 31, 47, 48, 49, 100, 161)
     ("int8_zero", 48, 96), ("int4", 32, 4096)])
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dot_products_match_float64_reference(kind, group_size, in_features, param_dtype):
-    """The AVX512-BF16 products (bfloat16 rows from DOT_ROWS on): the float64 product of the
+    """The AVX512-BF16 products (bfloat16 rows from LOOP_DOT_ROWS on): the float64 product of the
     rows with the dequantized weight, rounded once to bfloat16, for every code kind, with
     output columns not a multiple of the kernel's 8 (37), K with pairs not a multiple of 16
     (40, 96: the repacking's tail) and K = 4096 (the rows taken a few blocks at a time);
@@ -621,7 +622,10 @@ def test_dot_products_match_float64_reference(kind, group_size, in_features, par
         with pytest.raises(ValueError, match=f"a workspace of {floats - 1} floats; the "
                                              f"product of {rows} rows needs {floats}"):
             kernel.prepared(x[:rows], into, torch.empty(floats - 1))
-    assert not kernel.runs_dot(quant_matmul.DOT_ROWS - 1, torch.bfloat16)
+    # from LOOP_DOT_ROWS where the compiled loops run otherwise, DOT_ROWS instead of torch's
+    assert not kernel.runs_dot(quant_matmul.LOOP_DOT_ROWS - 1, torch.bfloat16)
+    assert not kernel.runs_dot(quant_matmul.DOT_ROWS - 1, torch.bfloat16, instead_of_torch=True)
+    assert kernel.runs_dot(quant_matmul.DOT_ROWS, torch.bfloat16, instead_of_torch=True)
     assert not kernel.runs_dot(max(DOT_ROWS), torch.float32)
     # the rows are repacked a bounded number at a time: a long prompt needs no more
     assert kernel.dot_workspace_floats(1 << 16) == kernel.dot_workspace_floats(1 << 20)

@@ -41,10 +41,16 @@ _SLICE_FLOATS = 1 << 18  # ~1 MB of dequantized float32 weight per GEMM call
 # against 37.9 for SmolLM2's 120 projections; at 4 rows the integer kernel 18.5 against 19.5)
 INTEGER_ROWS = 8
 # bfloat16 activations from this many rows on: the AVX512-BF16 products (int4_dot_gemm and
-# its kin) where the build has them. On a Zen 4 EPYC, SmolLM2's 1536 x 576 and 576 x 1536
-# projections with two threads: 8 rows 0.16 ms against torch's int4 kernel's 0.11, 16 rows
-# 0.17 against 0.21, and from 64 rows about half torch's time (docs/BENCHMARKS.md)
+# its kin) where the build has them, for the layers that run torch's kernels otherwise. On a
+# Zen 4 EPYC, SmolLM2's 1536 x 576 and 576 x 1536 projections with two threads: 8 rows
+# 0.16 ms against torch's int4 kernel's 0.11, 16 rows 0.17 against 0.21, and from 64 rows
+# about half torch's time (docs/BENCHMARKS.md)
 DOT_ROWS = 16
+# and from this many where the compiled loops run otherwise (group-wise int8 on AVX-512
+# CPUs): the same CPU, SmolLM2's shapes in groups of 32, the loops' time over the dot
+# products' 0.6-1.15x at 8 rows, 0.87-1.5x at 9, 1.02-1.5x at 10, 1.1-1.75x at 12 (two
+# threads; with one 0.83-1.3x, 1.0-1.5x, 1.05-1.65x, 1.2-1.95x)
+LOOP_DOT_ROWS = 10
 _DOT_KINDS = {"int4": 0, "int8": 1, "int8_zero": 2}
 # the int4 panels have no GEMM path (their kernel was faster at 16-1024 rows, see
 # int4_panel_a8_matmul); a product of more rows runs in calls of this many
@@ -130,7 +136,8 @@ def describe() -> str:
         return f"torch's weight-only kernels (compiled ones {native.status()[WHAT]})"
     vnni = "; int8 activations by AVX512-VNNI" if _LIBRARY.features & 4 else ""
     if _LIBRARY.features & 8:
-        vnni += f"; bfloat16 rows by AVX512-BF16 from {DOT_ROWS} rows"
+        vnni += (f"; bfloat16 rows by AVX512-BF16 from {DOT_ROWS} rows "
+                 f"({min(DOT_ROWS, LOOP_DOT_ROWS)} for the compiled loops' products)")
     if not preferred():
         return ("torch's weight-only kernels (AVX-512 CPU); compiled ones for group-wise "
                 f"int8{vnni}")
@@ -255,12 +262,14 @@ class QuantizedMatmul:
         out = out.to(x.dtype)  # rounded rows: float32, rounded once here
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
-    def runs_dot(self, rows: int, dtype: torch.dtype) -> bool:
+    def runs_dot(self, rows: int, dtype: torch.dtype, instead_of_torch: bool = False) -> bool:
         """Whether a product of ``rows`` rows of ``dtype`` runs the AVX512-BF16 kernel:
-        bfloat16 rows, at least DOT_ROWS of them, where the build has it (int4, int8 and
-        int8_zero codes, without int8 activations; groups of an even size: it multiplies
-        pairs)."""
-        return (rows >= DOT_ROWS and dtype == torch.bfloat16 and self.kind in _DOT_KINDS
+        bfloat16 rows, at least LOOP_DOT_ROWS of them (DOT_ROWS ``instead_of_torch``: for a
+        layer that runs torch's kernel otherwise; this product's own calls run it from
+        whichever is lower), where the build has it (int4, int8 and int8_zero codes, without
+        int8 activations; groups of an even size: it multiplies pairs)."""
+        least = DOT_ROWS if instead_of_torch else min(DOT_ROWS, LOOP_DOT_ROWS)
+        return (rows >= least and dtype == torch.bfloat16 and self.kind in _DOT_KINDS
                 and not self.integer() and self.args.group_size % 2 == 0
                 and has_dot_products())
 

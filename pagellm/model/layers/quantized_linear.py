@@ -15,8 +15,9 @@ against — is computed from the scales as stored.
 The products run in pagellm's compiled kernels (quant_matmul.py: float32 sums of the
 dequantized weights, AVX2 where the CPU has it), whose layout the codes are packed in at
 construction, where quant_matmul.preferred(); and, on builds with AVX512-BF16, the products
-of quant_matmul.DOT_ROWS bfloat16 rows and more (prefill, large batches), which sum exact
-bfloat16 products of the codes in float32. Elsewhere (no C compiler; CPUs with AVX-512)
+of quant_matmul.DOT_ROWS bfloat16 rows and more (LOOP_DOT_ROWS where the compiled loops run
+otherwise; prefill, large batches), which sum exact bfloat16 products of the codes in
+float32. Elsewhere (no C compiler; CPUs with AVX-512)
 they run torch's weight-only kernels (``_weight_int8pack_mm``;
 ``_weight_int4pack_mm_for_cpu`` on codes packed by ``_convert_weight_to_int4pack_for_cpu``,
 which needs out_features % 16 == 0); group-wise int8, which torch has no kernel for, and
@@ -178,8 +179,9 @@ class Int8Weight(nn.Module):
     def runs_dot(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether forward of ``rows`` rows of ``dtype`` runs the compiled AVX512-BF16 product
         (self.kernel) where torch's kernel (or the dequantized weight) runs otherwise
-        (QuantizedMatmul.runs_dot)."""
-        return self.kernel.runs_dot(rows, dtype)
+        (QuantizedMatmul.runs_dot; from LOOP_DOT_ROWS rows where the compiled loops run
+        otherwise)."""
+        return self.kernel.runs_dot(rows, dtype, instead_of_torch=not self.compiled)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``index`` [T] of dequantized() in ``dtype`` ([T, K]; one rounding, from
@@ -330,7 +332,8 @@ class Int4Weight(nn.Module):
         """Whether forward of ``rows`` rows of ``dtype`` runs the compiled AVX512-BF16 product
         (self.kernel) where torch's kernel is preferred otherwise (QuantizedMatmul.runs_dot;
         never with int8 activations)."""
-        return not self._int8_activations and self.kernel.runs_dot(rows, dtype)
+        return not self._int8_activations and self.kernel.runs_dot(
+            rows, dtype, instead_of_torch=not self.compiled)
 
     def scales_and_zeros(self) -> torch.Tensor:
         """[N, K / group_size, 2] (scale, zero), as stored (the panels' parameters
