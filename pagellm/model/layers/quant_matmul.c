@@ -1428,6 +1428,43 @@ INLINE void dot_tile(const uint32_t *xp, const float *xs, int64_t pairs, int64_t
   }
 }
 
+/* 16 floats to bfloat16 as f32_to_bf16 rounds them (nearest even, subnormals kept, NaN to
+ * 0x7fc0). */
+static inline __m256i dot_round(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
+  r = _mm512_srli_epi32(r, 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                            _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+/* A tile's totals (out[r][j], lane i: row 16 (b0 + r) + i, column n0 + j) into the bfloat16
+ * output rows, plus the bias: per block, the 8 columns' lanes transposed to rows of 8. */
+static void dot_store(const qmm_args *a, float out[DOT_BLOCKS][DOT_COLS][16], int64_t b0,
+                      int R, int64_t n0) {
+  const int64_t M = a->rows, N = a->out_features;
+  const int cols = N - n0 < DOT_COLS ? (int)(N - n0) : DOT_COLS;
+  const __mmask8 keep = (__mmask8)((1u << cols) - 1);
+  const __m512 bias = a->bias ? _mm512_castps256_ps512(_mm256_maskz_loadu_ps(keep, a->bias + n0))
+                              : _mm512_setzero_ps();
+  bf16_t *y = (bf16_t *)a->out;
+  for (int r = 0; r < R; r++) {
+    __m512i t[16];
+    for (int j = 0; j < 16; j++)
+      t[j] = j < DOT_COLS ? _mm512_castps_si512(_mm512_loadu_ps(out[r][j]))
+                          : _mm512_setzero_si512();
+    dot_transpose(t); /* t[i] lanes 0..7: row 16 (b0 + r) + i, columns n0 .. n0 + 7 */
+    for (int i = 0; i < 16; i++) {
+      const int64_t m = (b0 + r) * 16 + i;
+      if (m >= M) break;
+      const __m256i h = dot_round(_mm512_add_ps(_mm512_castsi512_ps(t[i]), bias));
+      _mm_mask_storeu_epi16(y + m * N + n0, keep, _mm256_castsi256_si128(h));
+    }
+  }
+}
+
 static void dot_gemm(const qmm_args *a, int kind) {
   const int64_t M = a->rows, N = a->out_features, K = a->in_features, pairs = K / 2;
   const int64_t gs = a->group_size, groups = K / gs, blocks = (M + 15) / 16;
@@ -1461,12 +1498,7 @@ static void dot_gemm(const qmm_args *a, int kind) {
           if (R == 3) dot_tile(xt, st, pairs, groups, gs, w, sc, zr, 3, out);
           else if (R == 2) dot_tile(xt, st, pairs, groups, gs, w, sc, zr, 2, out);
           else dot_tile(xt, st, pairs, groups, gs, w, sc, zr, 1, out);
-          for (int r = 0; r < R; r++)
-            for (int i = 0; i < 16; i++) {
-              const int64_t m = (b0 + r) * 16 + i;
-              if (m >= M) break;
-              for (int j = 0; j < DOT_COLS && n0 + j < N; j++) store(a, m, n0 + j, out[r][j][i]);
-            }
+          dot_store(a, out, b0, R, n0);
         }
       }
     }
