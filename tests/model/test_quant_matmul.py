@@ -692,3 +692,31 @@ def test_layers_on_torch_kernels_take_the_dot_products_from_their_rows(monkeypat
     assert int4.compiled and not hasattr(int4, "row_codes")
     check_close(int4(x), quant_matmul.quantize_activations(x).double()
                 @ int4.dequantized().double().T)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8_zero"])
+def test_dot_products_keep_a_nan_row_to_itself(kind):
+    """A NaN in one row of x makes that row's outputs NaN (as the float64 product of the
+    dequantized weight) and leaves the other rows of its block of 16 and tile exact."""
+    needs_dot_products()
+    weight, x = inputs(24, 64, torch.bfloat16, 40, seed=3)
+    if kind == "int4":
+        q, scale, zero = int4_quantize(weight, 32, torch.bfloat16)
+        params = torch.stack([scale, zero], -1).bfloat16().contiguous()
+        kernel = quant_matmul.QuantizedMatmul("int4", quant_matmul.pack_int4(q), params, 32)
+        p = params.double()
+        deq = ((q.double().view(24, -1, 32) - 8) * p[..., :1] + p[..., 1:]).view(24, 64)
+    else:
+        q, scale = int8_quantize(weight.reshape(-1, 32), torch.bfloat16)
+        q, scale = q.view(24, 64), scale.view(24, 2)
+        params = scale if kind == "int8" else torch.stack([scale, -3 * scale], -1).contiguous()
+        kernel = quant_matmul.QuantizedMatmul(kind, q, params, 32)
+        p = params.double().view(24, 2, -1)  # (scale) or (scale, zero) per group
+        deq = q.double().view(24, 2, 32) * p[..., :1] + (p[..., 1:] if kind != "int8" else 0)
+        deq = deq.view(24, 64)
+    x[7, 20] = float("nan")
+    assert kernel.runs_dot(40, torch.bfloat16)
+    out = kernel(x)
+    assert out[7].isnan().all()
+    keep = torch.arange(40) != 7
+    check_close(out[keep], x[keep].double() @ deq.T)
