@@ -1340,16 +1340,19 @@ static void dot_dequantize(const qmm_args *a, int kind, int64_t n0, bf16_t *w, f
       continue;
     }
     if (kind == DOT_INT4) {
+      /* q - 8 for q = 0 .. 15 in bfloat16 (-8, -7, ..., 7), looked up 16 codes at a time */
+      const __m256i values = _mm256_setr_epi16(
+          (short)0xc100, (short)0xc0e0, (short)0xc0c0, (short)0xc0a0, (short)0xc080,
+          (short)0xc040, (short)0xc000, (short)0xbf80, 0, 0x3f80, 0x4000, 0x4040, 0x4080,
+          0x40a0, 0x40c0, 0x40e0);
+      const __m256i low = _mm256_set1_epi16(0x0f);
       const uint8_t *q = (const uint8_t *)a->codes + n * (K / 2);
-      const __m512i low = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
       for (int64_t k = 0; k < K; k += 32) { /* byte j: column j (low nibble), j + 16 (high) */
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + k / 2)));
-        const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(v, low), eight);
-        const __m512i hi = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight);
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + k / 2)));
         _mm256_storeu_si256((__m256i *)(wj + k),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_cvtepi32_ps(lo)));
+                            _mm256_permutexvar_epi16(_mm256_and_si256(v, low), values));
         _mm256_storeu_si256((__m256i *)(wj + k + 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_cvtepi32_ps(hi)));
+                            _mm256_permutexvar_epi16(_mm256_srli_epi16(v, 4), values));
       }
     } else {
       const int8_t *q = (const int8_t *)a->codes + n * K;
@@ -1361,10 +1364,32 @@ static void dot_dequantize(const qmm_args *a, int kind, int64_t n0, bf16_t *w, f
       }
       for (; k < K; k++) wj[k] = f32_to_bf16((float)q[k]);
     }
-    const int pair = kind != DOT_INT8; /* params [N, groups, 2] (scale, zero) */
-    for (int64_t g = 0; g < groups; g++) {
-      sc[j * groups + g] = param(a->params, (n * groups + g) << pair, a->params_dtype);
-      if (zr) zr[j * groups + g] = param(a->params, ((n * groups + g) << 1) + 1, a->params_dtype);
+    /* params [N, groups, 2] (scale, zero), or [N, groups] (symmetric int8): one loop per
+     * dtype, so that each converts without a branch per value */
+    const int pair = kind != DOT_INT8;
+    const int64_t first = (n * groups) << pair;
+    float *scj = sc + j * groups, *zrj = zr ? zr + j * groups : NULL;
+    switch (a->params_dtype) {
+      case PARAMS_BF16: {
+        const bf16_t *p = (const bf16_t *)a->params + first;
+        for (int64_t g = 0; g < groups; g++) scj[g] = bf16_to_f32(p[g << pair]);
+        if (zrj)
+          for (int64_t g = 0; g < groups; g++) zrj[g] = bf16_to_f32(p[(g << 1) + 1]);
+        break;
+      }
+      case PARAMS_F16: {
+        const uint16_t *p = (const uint16_t *)a->params + first;
+        for (int64_t g = 0; g < groups; g++) scj[g] = f16_to_f32(p[g << pair]);
+        if (zrj)
+          for (int64_t g = 0; g < groups; g++) zrj[g] = f16_to_f32(p[(g << 1) + 1]);
+        break;
+      }
+      default: {
+        const float *p = (const float *)a->params + first;
+        for (int64_t g = 0; g < groups; g++) scj[g] = p[g << pair];
+        if (zrj)
+          for (int64_t g = 0; g < groups; g++) zrj[g] = p[(g << 1) + 1];
+      }
     }
   }
 }
