@@ -1212,7 +1212,7 @@ void int8_panel_a8_matmul(const qmm_args *a) {
 #endif
 
 /* Products of bfloat16 activations with int4 / int8 codes by AVX512-BF16 dot products
- * (vdpbf16ps), for many rows (prefill). Every code, as the layers dequantize it (int4: q - 8,
+ * (vdpbf16ps), for many rows (prefill, large batches). Every code, as the layers dequantize it (int4: q - 8,
  * int8: q), is a small integer and exact in bfloat16, as are bfloat16 activations, so each
  * product is exact in float32 and summed in float32: per group, the sum of codes times x,
  * times the group's scale, plus the group's zero times the group's sum of x (int4,
@@ -1224,7 +1224,8 @@ void int8_panel_a8_matmul(const qmm_args *a) {
  * of columns (one 32-bit word per row and pair, the lanes of one vdpbf16ps operand), and
  * DOT_COLS output columns at a time are dequantized to bfloat16 rows of K values, whose pairs
  * are broadcast. A tile of DOT_BLOCKS blocks (48 rows) by DOT_COLS columns keeps its 24
- * groups' sums in registers; the scaled totals go through a small buffer in L1. The rows are
+ * groups' sums in registers; the scaled totals go through a small buffer in L1, transposed
+ * from there into the output rows (dot_store). The rows are
  * repacked DOT_ROW_BYTES at a time (the threads split the blocks), so that they stay in each
  * core's L2 while every column passes over them (the threads split the columns), and the
  * workspace is bounded whatever the row count. */
