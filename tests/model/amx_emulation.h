@@ -16,6 +16,7 @@ static __thread emu_tiles* emu_p; /* heap: the static TLS block is small */
 static inline void emu_loadconfig(const void* cfg) {
   const uint8_t* c = (const uint8_t*)cfg;
   if (!emu_p) emu_p = (emu_tiles*)malloc(sizeof(emu_tiles));
+  if (!emu_p) abort(); /* no memory for a thread's tiles: the test process stops here */
   memset(&emu, 0, sizeof emu);
   for (int t = 0; t < 8; t++) {
     emu.colsb[t] = c[16 + 2 * t] | c[17 + 2 * t] << 8;
