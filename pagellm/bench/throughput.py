@@ -83,6 +83,9 @@ class EngineOptions:
     seed: int = 0
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    quantization_group_size: int | None = None
+    int8_activations: bool = False
 
     def engine_args(self):
         from pagellm.config import EngineArgs
@@ -95,7 +98,9 @@ class EngineOptions:
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space,
             preemption_mode=self.preemption_mode, watermark=self.watermark, seed=self.seed,
-            enforce_eager=self.enforce_eager, kv_cache_dtype=self.kv_cache_dtype)
+            enforce_eager=self.enforce_eager, kv_cache_dtype=self.kv_cache_dtype,
+            quantization=self.quantization, quantization_group_size=self.quantization_group_size,
+            int8_activations=self.int8_activations)
 
 
 def build_engine(options: EngineOptions):
@@ -201,6 +206,10 @@ def benchmark_throughput(options: EngineOptions, requests: list[BenchRequest],
     result["accounting_errors"] = accounting_errors(result)
     result["machine"] = machine_info()
     result["engine"] = {"model": options.model, "dtype": options.dtype,
+                        "kv_cache_dtype": options.kv_cache_dtype,
+                        "quantization": options.quantization,
+                        "quantization_group_size": options.quantization_group_size,
+                        "int8_activations": options.int8_activations,
                         "max_model_len": engine.max_model_len,
                         "num_cpu_blocks": engine.num_cpu_blocks}
     return result

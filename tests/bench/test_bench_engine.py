@@ -240,3 +240,27 @@ def test_cli_memory_html_report_holds_both_systems_maps(tiny_model, tmp_path):
         return 1 - sum(held) / (len(held) * frame["block_size"])
     paged, contiguous = (s["frames"][s["default_frame"]] for s in systems)
     assert empty_share(contiguous) > empty_share(paged)
+
+
+def test_cli_throughput_with_fewer_bytes_per_token(tiny_model, tmp_path, capsys):
+    """--kv-cache-dtype and --quantization reach the engine (and its report); a combination
+    the engine refuses is an error naming the value, not a run."""
+    from pagellm.entrypoints.cli import main
+
+    common = ["--model", str(tiny_model), "--num-prompts", "4", "--input-len", "8,32",
+              "--output-len", "2,8", "--max-num-seqs", "4", "--num-gpu-blocks-override", "64",
+              "--swap-space", "0.01"]
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", *common, "--kv-cache-dtype", "int8",
+                 "--quantization", "int4", "--quantization-group-size", "32",
+                 "--int8-activations", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["accounting_errors"] == []
+    assert {k: report["engine"][k] for k in ("kv_cache_dtype", "quantization",
+                                             "quantization_group_size",
+                                             "int8_activations")} == {
+        "kv_cache_dtype": "int8", "quantization": "int4", "quantization_group_size": 32,
+        "int8_activations": True}
+    capsys.readouterr()
+    assert main(["bench", "throughput", *common, "--int8-activations"]) == 2
+    assert "int8_activations" in capsys.readouterr().err

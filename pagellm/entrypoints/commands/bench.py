@@ -118,8 +118,24 @@ def _add_throughput(modes) -> None:
                    help="GiB of CPU swap space (default 1)")
     p.add_argument("--preemption-mode", choices=("swap", "recompute"), default=None)
     p.add_argument("--plot", default=None, metavar="FILE.png", help="KV slots over time")
+    _add_quantization_options(p)
     add_workload_args(p, num_prompts=200)
     p.set_defaults(func=run_throughput)
+
+
+def _add_quantization_options(p: argparse.ArgumentParser) -> None:
+    """The engine's KV cache dtype and weight quantization, as ``pagellm serve`` takes them."""
+    from pagellm.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+    from pagellm.entrypoints.commands.engine_flags import HELP
+
+    g = p.add_argument_group("bytes per token")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help=HELP["kv_cache_dtype"])
+    g.add_argument("--quantization", default=None,
+                   choices=[m for m in QUANTIZATION_METHODS if m], help=HELP["quantization"])
+    g.add_argument("--quantization-group-size", type=int, default=None,
+                   help=HELP["quantization_group_size"])
+    g.add_argument("--int8-activations", action="store_true", help=HELP["int8_activations"])
 
 
 def run_throughput(args: argparse.Namespace) -> int:
@@ -136,7 +152,10 @@ def run_throughput(args: argparse.Namespace) -> int:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=not args.no_prefix_caching, swap_space=args.swap_space,
-        preemption_mode=args.preemption_mode, seed=args.seed)
+        preemption_mode=args.preemption_mode, seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+        int8_activations=args.int8_activations)
     report = {"workload": workload.summary(), **benchmark_throughput(options, workload.requests)}
     if args.plot:
         from pagellm.bench.plots import plot_kv_timelines
