@@ -44,7 +44,8 @@ INTEGER_ROWS = 8
 # its kin) where the build has them, for the layers that run torch's kernels otherwise. On a
 # Zen 4 EPYC, SmolLM2's 1536 x 576 and 576 x 1536 projections with two threads: 8 rows
 # 0.16 ms against torch's int4 kernel's 0.11, 16 rows 0.17 against 0.21, and from 64 rows
-# about half torch's time (docs/BENCHMARKS.md)
+# about half torch's time; its int4 decode at 16 and 24 sequences 1.2-1.3x the tokens/s of
+# torch's kernel (docs/BENCHMARKS.md)
 DOT_ROWS = 16
 # and from this many where the compiled loops run otherwise (group-wise int8 on AVX-512
 # CPUs): the same CPU, SmolLM2's shapes in groups of 32, the loops' time over the dot
@@ -125,7 +126,8 @@ def has_vnni_loops() -> bool:
 
 def has_dot_products() -> bool:
     """Whether the loaded build has the AVX512-BF16 products of bfloat16 rows with int4 / int8
-    codes (int4_dot_gemm and its kin), which products of DOT_ROWS rows and more run."""
+    codes (int4_dot_gemm and its kin), which products of LOOP_DOT_ROWS or DOT_ROWS rows and
+    more run (QuantizedMatmul.runs_dot)."""
     return _LIBRARY.load() is not None and bool(_LIBRARY.features & 8)
 
 
