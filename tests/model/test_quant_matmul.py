@@ -36,7 +36,8 @@ def build(request, monkeypatch):
 
 def test_the_native_build_has_the_loops_this_cpu_allows():
     """The native build's int8 activations take the AVX512-VNNI loop exactly where the CPU
-    has it (so that the int8-activation tests below cover it on such CPUs), and the AVX2
+    has it (so that the int8-activation tests below cover it on such CPUs), the AVX512-BF16
+    products where it has AVX512-BF16 (so that the dot-product tests run there), and the AVX2
     loops where it has AVX2 and FMA."""
     if not quant_matmul.available() or native.isa_level() != "native":
         pytest.skip("the native build only")
