@@ -45,17 +45,20 @@ from pagellm.model.layers import Linear, RotaryEmbedding, cpu_ops, quant_matmul
 from pagellm.native import PreparedCall
 
 
+def _projections(layer: DecoderLayer) -> tuple:
+    """A decoder layer's four projections, in the order a step runs them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def _matmul_of(linear: Linear, rows: int, dtype: torch.dtype
                ) -> quant_matmul.QuantizedMatmul | None:
     """The compiled product a decode step's Linear runs on ``rows`` rows of ``dtype``
     (weight-only quantized: compiled, or torch's kernels' layers where the AVX512-BF16
     product takes their rows; the bfloat16 kernel), if it runs one."""
-    quantized = linear.quantized
+    quantized = linear.quantized  # Int4Weight or Int8Weight
     if quantized is not None:
-        runs_dot = getattr(quantized, "runs_dot", None)
-        if getattr(quantized, "compiled", False) or (runs_dot and runs_dot(rows, dtype)):
-            return quantized.kernel
-        return None
+        return quantized.kernel if quantized.compiled or quantized.runs_dot(rows, dtype) else None
     if linear.packed_weight is None and linear.upcast and linear.bf16_kernel is not None:
         return linear.bf16_kernel
     return None
@@ -150,8 +153,7 @@ class CpuDecodePlan:
             if (type(layer.self_attn.attn) is not Attention
                     or layer.self_attn.attn.reference_kv_format is not None):
                 return "a replaced attention layer"
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            for linear in _projections(layer):
                 if not isinstance(linear, Linear):
                     return "a replaced projection (LoRA)"
                 if getattr(linear, "tp", None) is not None and linear.tp.world_size > 1:
@@ -206,8 +208,7 @@ class CpuDecodePlan:
         max_rows with the current thread count (it grows with rows), 0 where none runs."""
         floats = 0
         for layer in self.model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            for linear in _projections(layer):
                 matmul = _matmul_of(linear, self.max_rows, self.dtype)
                 if matmul is not None and matmul.runs_dot(self.max_rows, self.dtype):
                     floats = max(floats, matmul.dot_workspace_floats(self.max_rows))

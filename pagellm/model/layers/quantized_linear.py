@@ -329,11 +329,9 @@ class Int4Weight(nn.Module):
         return quant_matmul.unpack_int4(self.packed if self.compiled else self.row_codes)
 
     def runs_dot(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether forward of ``rows`` rows of ``dtype`` runs the compiled AVX512-BF16 product
-        (self.kernel) where torch's kernel is preferred otherwise (QuantizedMatmul.runs_dot;
-        never with int8 activations)."""
-        return not self._int8_activations and self.kernel.runs_dot(
-            rows, dtype, instead_of_torch=not self.compiled)
+        """As Int8Weight.runs_dot (never with int8 activations: the kernel then runs its
+        integer products)."""
+        return self.kernel.runs_dot(rows, dtype, instead_of_torch=not self.compiled)
 
     def scales_and_zeros(self) -> torch.Tensor:
         """[N, K / group_size, 2] (scale, zero), as stored (the panels' parameters
