@@ -54,6 +54,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -419,17 +420,23 @@ def weights(models: dict[str, str], new_tokens: int, group_size: int) -> dict:
 MATMUL_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
 
 
+@contextlib.contextmanager
+def dot_products_off():
+    """The AVX512-BF16 products off inside (quant_matmul.DOT_ROWS and LOOP_DOT_ROWS out of
+    reach): the compiled route that runs the same products where the build has none."""
+    default = quant_matmul.DOT_ROWS, quant_matmul.LOOP_DOT_ROWS
+    quant_matmul.DOT_ROWS = quant_matmul.LOOP_DOT_ROWS = 1 << 30
+    try:
+        yield
+    finally:
+        quant_matmul.DOT_ROWS, quant_matmul.LOOP_DOT_ROWS = default
+
+
 def without_dot(run):
-    """run() with the AVX512-BF16 products off (quant_matmul.DOT_ROWS and LOOP_DOT_ROWS out
-    of reach): the compiled route that runs the same product where the build has no
-    AVX512-BF16."""
+    """run as a call with the AVX512-BF16 products off (dot_products_off)."""
     def call():
-        default = quant_matmul.DOT_ROWS, quant_matmul.LOOP_DOT_ROWS
-        quant_matmul.DOT_ROWS = quant_matmul.LOOP_DOT_ROWS = 1 << 30
-        try:
+        with dot_products_off():
             return run()
-        finally:
-            quant_matmul.DOT_ROWS, quant_matmul.LOOP_DOT_ROWS = default
     return call
 
 
@@ -539,10 +546,11 @@ def crossover(rounds: int) -> dict:
                     for name in best:
                         kind, path = name.split("/")
                         quant_matmul.GEMM_ROWS = 1 << 30 if path == "kernel" else 1
-                        start = time.perf_counter()
-                        for product, x in zip(products[kind], xs):
-                            without_dot(lambda: product(x))()
-                        best[name] = min(best[name], time.perf_counter() - start)
+                        with dot_products_off():
+                            start = time.perf_counter()
+                            for product, x in zip(products[kind], xs):
+                                product(x)
+                            best[name] = min(best[name], time.perf_counter() - start)
             finally:
                 quant_matmul.GEMM_ROWS = default
             runs.append({"shapes": label, "rows": rows,
