@@ -9,7 +9,10 @@ elsewhere. From ``GEMM_ROWS`` rows on (prefill), a product dequantizes a cache-s
 the weight to float32 at a time and hands it to torch's float32 GEMM, which then beats
 widening per tile. With int8 activations on AVX512-VNNI builds, int4 weights are packed in
 panels of 16 output columns (quant_panels.py) for a kernel that sums 16 columns' integer
-products side by side in one register; symmetric int8 weights too.
+products side by side in one register; symmetric int8 weights too. On AVX512-BF16 builds,
+products of many bfloat16 rows (``DOT_ROWS`` / ``LOOP_DOT_ROWS`` on) multiply the codes,
+exact in bfloat16, by the rows with ``vdpbf16ps`` instead. The torch side (pack_int4's
+layout, the int8 activations' rounding, the sliced float32 GEMM) is quant_torch.py.
 
 Both compute the float32 sums of ``x * w`` with ``w`` dequantized exactly as the layers'
 ``dequantized()`` reference (quantized_linear.py), rounded once to x's dtype. The library is
@@ -26,6 +29,9 @@ import torch
 
 from pagellm import native
 from pagellm.model.layers.quant_panels import PANEL, pack_int8_panels
+# the torch side, also named from here (quant_matmul.pack_int4, ...)
+from pagellm.model.layers.quant_torch import (ACTIVATION_BLOCK, pack_int4, quantize_activations,
+                                              slice_rows, sliced_float32_gemm, unpack_int4)
 
 _SOURCE = Path(__file__).with_name("quant_matmul.c")
 WHAT = "CPU quantized matmul"  # its name in native.status()
@@ -35,7 +41,6 @@ _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trappi
 # GEMM from 32 rows with one thread (36-48 with two; benchmarks/quantization.py crossover,
 # docs/BENCHMARKS.md)
 GEMM_ROWS = 32
-_SLICE_FLOATS = 1 << 18  # ~1 MB of dequantized float32 weight per GEMM call
 # int8 activations: the integer kernel below this many rows; from there the float loops, which
 # widen each code once for a tile of 8 rows, were as fast on the AVX2 EPYC (at 8 rows: 34.7 ms
 # against 37.9 for SmolLM2's 120 projections; at 4 rows the integer kernel 18.5 against 19.5)
@@ -145,21 +150,6 @@ def describe() -> str:
                 f"int8{vnni}")
     loops = "AVX2+FMA" if _LIBRARY.features & 1 else "plain C"
     return f"compiled, {native.status()[WHAT]}; {loops} loops{vnni}"
-
-
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """codes [N, K] in [0, 15] -> [N, K / 2] uint8: in each run of 32 columns, byte j holds
-    column j (low nibble) and column j + 16 (high nibble)."""
-    out_features, in_features = codes.shape
-    runs = codes.to(torch.uint8).view(out_features, in_features // 32, 2, 16)
-    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(out_features, in_features // 2)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack_int4: [N, K / 2] uint8 -> codes [N, K] uint8."""
-    out_features = packed.shape[0]
-    runs = packed.view(out_features, -1, 1, 16)
-    return torch.cat([runs & 0x0F, runs >> 4], 2).reshape(out_features, -1)
 
 
 _PANEL_KINDS = ("int4_panels", "int8_panels")
@@ -391,26 +381,6 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_and_zero: torch.Ten
     return matmul(x)
 
 
-ACTIVATION_BLOCK = 32  # columns per int8 activation scale
-
-
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (K a multiple of 32) rounded as the int8-activation products see it, in
-    float32: per row and block of 32 columns, codes q = x * (127 / amax) clamped to
-    [-127, 127] and rounded to nearest even, times the scale amax / 127 (all float32
-    operations, as quant_matmul.c's quantize_activations; a block of zeros stays zero)."""
-    in_features = x.shape[-1]
-    if in_features % ACTIVATION_BLOCK:
-        raise ValueError(f"int8 activations: in_features={in_features} must be a multiple of "
-                         f"{ACTIVATION_BLOCK}")
-    blocks = x.float().reshape(-1, in_features // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    # a division as C's 127.0f / amax (``127 / amax`` multiplies by the reciprocal)
-    inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0.0)
-    codes = (blocks * inverse).clamp(-127, 127).round()
-    return (codes * (amax / 127)).view(x.shape)
-
-
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 group_size: int, int8_activations: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T with W[n, k] = q[n, k] * scale[n, g]: q [N, K] int8, scale
@@ -455,7 +425,7 @@ def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor,
     if kind == "bf16":
         return sliced_float32_gemm(rows, args.out_features,
                                    lambda start, count: codes[start:start + count].float(), bias)
-    workspace = _LIBRARY.scratch(_slice_rows(in_features) * in_features)
+    workspace = _LIBRARY.scratch(slice_rows(in_features) * in_features)
     dequantize = getattr(library, f"{kind}_dequantize")
 
     def dequantized(start: int, count: int) -> torch.Tensor:
@@ -464,27 +434,3 @@ def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor,
         return workspace[:count * in_features].view(count, in_features)
 
     return sliced_float32_gemm(rows, args.out_features, dequantized, bias)
-
-
-def sliced_float32_gemm(rows: torch.Tensor, out_features: int,
-                        weight_rows: Callable[[int, int], torch.Tensor],
-                        bias: torch.Tensor | None) -> torch.Tensor:
-    """rows [M, K] @ W^T (+ bias) in float32, rounded once to rows' dtype, with W [N, K]
-    produced ~1 MB of float32 at a time by ``weight_rows(start, count)`` ([count, K] float32):
-    each slice is read back from the cache by the GEMM, not from memory (a whole-weight
-    conversion cost more than the matmul for a 32000-row lm_head)."""
-    in_features = rows.shape[-1]
-    chunk = _slice_rows(in_features)
-    xt = rows.reshape(-1, in_features).float().t()  # [K, M]
-    out = torch.empty(out_features, xt.shape[1])  # transposed: each slice's rows contiguous
-    for start in range(0, out_features, chunk):
-        count = min(chunk, out_features - start)
-        torch.mm(weight_rows(start, count), xt, out=out[start:start + count])
-    if bias is not None:
-        out += bias.float()[:, None]
-    return out.t().to(rows.dtype)
-
-
-def _slice_rows(in_features: int) -> int:
-    """Rows of W per float32 slice of sliced_float32_gemm."""
-    return max(16, _SLICE_FLOATS // in_features)
