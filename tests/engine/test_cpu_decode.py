@@ -203,14 +203,15 @@ def test_plan_on_torch_s_kernels(llama_dir, torch_matmuls, options):
 @pytest.mark.parametrize("matmuls", ["torch_matmuls", "compiled_matmuls"])
 def test_plan_runs_the_dot_products_in_its_workspace(llama_dir, request, monkeypatch,
                                                       matmuls, options):
-    """Where the AVX512-BF16 products take a step's rows (DOT_ROWS: 4 here, 16 as shipped),
+    """Where the AVX512-BF16 products take a step's rows (from 4 here, 1-16 as shipped),
     on torch's kernels' layers as on the compiled ones, every projection of the step is
     their prepared call in the plan's workspace, grown for max_rows: the forward's tokens and
-    logprobs bit for bit; below DOT_ROWS the calls of before."""
+    logprobs bit for bit; below that the calls of before."""
     if not quant_matmul.has_dot_products():
         pytest.skip("the AVX512-BF16 products are built for CPUs with AVX512-BF16 only")
     request.getfixturevalue(matmuls)
-    monkeypatch.setattr(quant_matmul, "DOT_ROWS", 4)
+    for name in ("DOT_ROWS", "FEW_DOT_ROWS", "FEW_LOOP_DOT_ROWS"):  # 12 rows: the few-rows
+        monkeypatch.setattr(quant_matmul, name, 4)                   # kernel, 3: none
     llm, eager = engine(llama_dir, **options), eager_twin(llama_dir, **options)
     plan = plan_or_skip(llm)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(12, [5, 9, 3, 14], seed=4)]

@@ -565,6 +565,8 @@ def needs_dot_products():
 # rows: LOOP_DOT_ROWS (a block of 16 mostly zeros), one block of 16 and a tail, tiles of 3
 # blocks and their tails (1, 2 blocks left)
 DOT_ROWS = (10, 16, 17, 31, 47, 48, 49, 100, 161)
+# and where the few-rows kernel takes the weight: its tiles of 4 rows and their tails
+FEW_ROWS = (1, 2, 3, 4, 5, 7, 8, 10, 15)
 
 
 @pytest.mark.parametrize("kind, group_size, in_features", [
@@ -607,7 +609,10 @@ def test_dot_products_match_float64_reference(kind, group_size, in_features, par
         p = params.double()
         deq = (codes.double().view(n, -1, group_size) * p[..., :1] + p[..., 1:]).view(n, k)
     kernel = quant_matmul.QuantizedMatmul(kind, codes, params, group_size or k, bias)
-    for rows in DOT_ROWS:
+    # the few-rows kernel: K % 32 == 0 and groups of 16, 32, a multiple of 64 or K
+    few = k % 32 == 0 and ((group_size or k) in (16, 32, k) or (group_size or k) % 64 == 0)
+    assert kernel.takes_few_rows() == few
+    for rows in sorted(set(DOT_ROWS + (FEW_ROWS if few else ()))):
         assert kernel.runs_dot(rows, torch.bfloat16)
         expected = x[:rows].double() @ deq.T
         out = kernel(x[:rows], add_bias=False)
@@ -624,9 +629,13 @@ def test_dot_products_match_float64_reference(kind, group_size, in_features, par
                                              f"product of {rows} rows needs {floats}"):
             kernel.prepared(x[:rows], into, torch.empty(floats - 1))
     # from LOOP_DOT_ROWS where the compiled loops run otherwise, DOT_ROWS instead of torch's
-    assert not kernel.runs_dot(quant_matmul.LOOP_DOT_ROWS - 1, torch.bfloat16)
-    assert not kernel.runs_dot(quant_matmul.DOT_ROWS - 1, torch.bfloat16, instead_of_torch=True)
-    assert kernel.runs_dot(quant_matmul.DOT_ROWS, torch.bfloat16, instead_of_torch=True)
+    # (FEW_LOOP_DOT_ROWS and FEW_DOT_ROWS where the few-rows kernel takes the weight)
+    loops, torchs = ((quant_matmul.FEW_LOOP_DOT_ROWS, quant_matmul.FEW_DOT_ROWS) if few else
+                     (quant_matmul.LOOP_DOT_ROWS, quant_matmul.DOT_ROWS))
+    assert kernel.runs_dot(loops, torch.bfloat16)
+    assert not kernel.runs_dot(loops - 1, torch.bfloat16)
+    assert not kernel.runs_dot(torchs - 1, torch.bfloat16, instead_of_torch=True)
+    assert kernel.runs_dot(torchs, torch.bfloat16, instead_of_torch=True)
     assert not kernel.runs_dot(max(DOT_ROWS), torch.float32)
     # the rows are repacked a bounded number at a time: a long prompt needs no more
     assert kernel.dot_workspace_floats(1 << 16) == kernel.dot_workspace_floats(1 << 20)
@@ -667,9 +676,10 @@ def test_dot_products_take_strided_rows():
 
 def test_layers_on_torch_kernels_take_the_dot_products_from_their_rows(monkeypatch):
     """Where torch's int4 / int8 kernels are preferred (CPUs with AVX-512), the layers run
-    the AVX512-BF16 products from DOT_ROWS bfloat16 rows on: the float64 reference of their
+    the AVX512-BF16 products from FEW_DOT_ROWS bfloat16 rows on (DOT_ROWS for weights the
+    few-rows kernel does not take): the float64 reference of their
     dequantized weights, torch_product None there (the CPU decode plan then calls forward);
-    below DOT_ROWS, float32 rows and with int8 activations, what they ran before."""
+    below that, float32 rows and with int8 activations, what they ran before."""
     needs_dot_products()
     monkeypatch.setattr(quant_matmul, "preferred", lambda: False)
     weight, x = inputs(48, 128, torch.bfloat16, 40, seed=5)
@@ -681,12 +691,15 @@ def test_layers_on_torch_kernels_take_the_dot_products_from_their_rows(monkeypat
     assert torch.equal(int4.codes(), int4_quantize(weight, 32, torch.bfloat16)[0])
     for layer in (int4, int8):
         deq = layer.dequantized().double()
-        for rows in (quant_matmul.DOT_ROWS, 40):
+        # the few-rows kernel takes these weights: from FEW_DOT_ROWS rows
+        assert layer.kernel.takes_few_rows()
+        for rows in (quant_matmul.FEW_DOT_ROWS, quant_matmul.DOT_ROWS - 1,
+                     quant_matmul.DOT_ROWS, 40):
             assert layer.torch_product(x[:rows]) is None
             out = layer(x[:rows])
             assert torch.equal(out, layer.kernel(x[:rows]))
             check_close(out, x[:rows].double() @ deq.T)
-        few = x[:quant_matmul.DOT_ROWS - 1]
+        few = x[:quant_matmul.FEW_DOT_ROWS - 1]
         assert torch.equal(layer(few), layer.torch_product(few)())
         assert not layer.kernel.runs_dot(40, torch.float32)
     int4.int8_activations = True  # the compiled integer products, as before
@@ -721,3 +734,8 @@ def test_dot_products_keep_a_nan_row_to_itself(kind):
     assert out[7].isnan().all()
     keep = torch.arange(40) != 7
     check_close(out[keep], x[keep].double() @ deq.T)
+    # the few-rows kernel: row 7 in the second tile of 4 rows
+    assert kernel.takes_few_rows() and kernel.runs_dot(9, torch.bfloat16)
+    out = kernel(x[:9])
+    assert out[7].isnan().all()
+    check_close(out[keep[:9]], x[:9][keep[:9]].double() @ deq.T)

@@ -1491,7 +1491,14 @@ static void dot_store(const qmm_args *a, float out[DOT_BLOCKS][DOT_COLS][16], in
   }
 }
 
+static void few_gemm(const qmm_args *a, int kind);
+int dot_few(const qmm_args *a);
+
 static void dot_gemm(const qmm_args *a, int kind) {
+  if (dot_few(a)) {
+    few_gemm(a, kind);
+    return;
+  }
   const int64_t M = a->rows, N = a->out_features, K = a->in_features, pairs = K / 2;
   const int64_t gs = a->group_size, groups = K / gs, blocks = (M + 15) / 16;
   const int zeros = kind != DOT_INT8;
@@ -1531,8 +1538,316 @@ static void dot_gemm(const qmm_args *a, int kind) {
   }
 }
 
+/* Fewer than FEW_ROWS rows (decode): per output column and chunk of 64 input columns, the
+ * codes become two vectors of 32 bfloat16 values in registers and each row adds their
+ * vdpbf16ps products with its own rows (rearranged once per call to the codes' order) into
+ * 16 float32 lanes of its own, scaled per chunk (or group); each (row, column)'s lanes are
+ * summed at the end. Blocks of 16 rows in lanes (dot_tile) would leave most lanes empty
+ * below 16 rows, and dequantize each column into memory first.
+ *
+ * A chunk's vectors: wa = columns 64 c + [0..15, 32..47], wb = 64 c + [16..31, 48..63], the
+ * order in which one 32-byte load of int4 codes (two runs of 32, byte j: column j and j + 16)
+ * and two nibble masks give them; a last chunk of 32 (K % 64 == 32) has zeros in lanes 8..15.
+ * So vdpbf16ps lanes 0..7 hold columns of the chunk's first 32, lanes 8..15 of its second 32:
+ * with groups of 32, one scale vector per chunk (two values) scales both products, with
+ * groups of a multiple of 64 one value; with groups of 16 each product takes its own. On a
+ * Zen 4 EPYC one column's chunk of int4 codes takes ~8.4 cycles at one row, bound by the
+ * FP pipes that the shuffles and vdpbf16ps share (docs/BENCHMARKS.md). Needs K % 32 == 0 and
+ * group_size 16, 32, a multiple of 64 or K (dot_few). */
+#define FEW_ROWS 16
+#define FEW_COLS 4 /* output columns per tile */
+#define FEW_TILE 4 /* rows per tile */
+
+/* one group; groups of 32; of 16; of a multiple of 64 */
+enum { FEW_ONE = 0, FEW_PAIR = 1, FEW_HALF = 2, FEW_WIDE = 3 };
+
+static inline int few_fits(const qmm_args *a) {
+  const int64_t gs = a->group_size;
+  return a->in_features % 32 == 0 &&
+         (gs == 16 || gs == 32 || gs % 64 == 0 || gs == a->in_features);
+}
+
+/* Whether dot_gemm takes these rows by the few-rows kernel (else blocks of 16 rows). */
+int dot_few(const qmm_args *a) { return a->rows < FEW_ROWS && few_fits(a); }
+
+static inline int64_t few_chunks(const qmm_args *a) { return (a->in_features + 63) / 64; }
+
+/* In floats: the rearranged rows (64 bfloat16 values a chunk), their group sums (kinds with
+ * zeros), and per thread FEW_COLS columns' scales and zeros. */
+static int64_t few_workspace(const qmm_args *a, int zeros) {
+  const int64_t groups = dot_align(a->in_features / a->group_size);
+  return dot_align(a->rows * few_chunks(a) * 32) + (zeros ? dot_align(a->rows * groups) : 0) +
+         a->num_threads * 2 * FEW_COLS * groups;
+}
+
+/* Row m of x in the codes' order, chunk c at xp + (m * chunks + c) * 64 (xa, then xb); and
+ * (xs not NULL) its group sums in float32, zeros past the last group. */
+static void few_pack_rows(const qmm_args *a, bf16_t *xp, float *xs) {
+  const int64_t K = a->in_features, chunks = few_chunks(a), gs = a->group_size;
+  const int64_t groups = K / gs, padded = dot_align(groups);
+  for (int64_t m = 0; m < a->rows; m++) {
+    const bf16_t *x = (const bf16_t *)a->x + m * a->x_stride;
+    for (int64_t c = 0; c < chunks; c++) {
+      bf16_t *d = xp + (m * chunks + c) * 64;
+      const int64_t k = c * 64;
+      const int full = k + 64 <= K;
+      memcpy(d, x + k, 32);
+      memcpy(d + 32, x + k + 16, 32);
+      if (full) {
+        memcpy(d + 16, x + k + 32, 32);
+        memcpy(d + 48, x + k + 48, 32);
+      } else {
+        memset(d + 16, 0, 32);
+        memset(d + 48, 0, 32);
+      }
+    }
+    if (!xs) continue;
+    for (int64_t g = 0; g < padded; g++) {
+      float sum = 0;
+      if (g < groups)
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += bf16_to_f32(x[k]);
+      xs[m * padded + g] = sum;
+    }
+  }
+}
+
+/* Column n's scales (and zeros) as float32 into s and z (groups rounded up to 16, zeros
+ * past the last): 16 groups per step, one branch per dtype. */
+static void few_params(const qmm_args *a, int kind, int64_t n, float *s, float *z) {
+  const int64_t groups = a->in_features / a->group_size, padded = dot_align(groups);
+  const int pair = kind != DOT_INT8;
+  const int64_t first = (n * groups) << pair;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                         28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t g = 0; g < padded; g += 16) {
+    const int64_t left = groups - g < 16 ? (groups - g > 0 ? groups - g : 0) : 16;
+    const __mmask16 m16 = (__mmask16)((1u << left) - 1);
+    const __mmask32 m32 = (__mmask32)(((uint64_t)1 << (2 * left)) - 1);
+    __m512 sv, zv = _mm512_setzero_ps();
+    switch (a->params_dtype) {
+      case PARAMS_BF16: {
+        const bf16_t *p = (const bf16_t *)a->params + first + (g << pair);
+        if (pair) {
+          const __m512i v = _mm512_maskz_loadu_epi16(m32, p);
+          sv = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+          zv = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000)));
+        } else {
+          sv = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m16, p)), 16));
+        }
+        break;
+      }
+      case PARAMS_F16: {
+        const uint16_t *p = (const uint16_t *)a->params + first + (g << pair);
+        if (pair) {
+          const __m512i v = _mm512_maskz_loadu_epi16(m32, p);
+          const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
+          const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1));
+          sv = _mm512_permutex2var_ps(lo, even, hi);
+          zv = _mm512_permutex2var_ps(lo, odd, hi);
+        } else {
+          sv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m16, p));
+        }
+        break;
+      }
+      default: {
+        const float *p = (const float *)a->params + first + (g << pair);
+        if (pair) {
+          const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)m32, p);
+          const __m512 hi = _mm512_maskz_loadu_ps((__mmask16)(m32 >> 16), p + 16);
+          sv = _mm512_permutex2var_ps(lo, even, hi);
+          zv = _mm512_permutex2var_ps(lo, odd, hi);
+        } else {
+          sv = _mm512_maskz_loadu_ps(m16, p);
+        }
+      }
+    }
+    _mm512_storeu_ps(s + g, sv);
+    if (z) _mm512_storeu_ps(z + g, zv);
+  }
+}
+
+/* Chunk c of a column's codes (q: the column's first) as wa, wb (above); ``half``: a last
+ * chunk of 32 columns. */
+INLINE void few_codes(const void *q, int kind, int64_t c, int half, __m512i *wa,
+                      __m512i *wb) {
+  if (kind == DOT_INT4) {
+    /* q - 8 for q = 0 .. 15 in bfloat16, indexed by the low 5 bits of each word */
+    const __m512i values = _mm512_set_epi16(
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, (short)0xbf80,
+        (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0, (short)0xc0c0,
+        (short)0xc0e0, (short)0xc100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80,
+        0, (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0,
+        (short)0xc0c0, (short)0xc0e0, (short)0xc100);
+    const uint8_t *p = (const uint8_t *)q + c * 32;
+    const __m256i bytes = half ? _mm256_maskz_loadu_epi8(0xffff, p)
+                               : _mm256_loadu_si256((const __m256i *)p);
+    const __m512i v = _mm512_cvtepu8_epi16(bytes);
+    *wa = _mm512_permutexvar_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x0f)), values);
+    *wb = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), values);
+  } else {
+    const int8_t *p = (const int8_t *)q + c * 64;
+#define FEW_WIDEN(i) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + (i)))))
+    const __m512 a0 = FEW_WIDEN(0), a1 = FEW_WIDEN(16);
+    const __m512 b0 = half ? _mm512_setzero_ps() : FEW_WIDEN(32);
+    const __m512 b1 = half ? _mm512_setzero_ps() : FEW_WIDEN(48);
+#undef FEW_WIDEN
+    *wa = (__m512i)_mm512_cvtne2ps_pbh(b0, a0);
+    *wb = (__m512i)_mm512_cvtne2ps_pbh(b1, a1);
+  }
+}
+
+/* Chunk c for rows m0 .. m0 + R - 1 and the tile's columns into total (R, MODE and HALF,
+ * a last chunk of 32 columns, constants after inlining). */
+INLINE void few_chunk(const qmm_args *a, int kind, int MODE, int R, int HALF, int64_t c,
+                      int64_t m0, const bf16_t *xp, const char *const *codes, const float *s,
+                      __m512 total[FEW_TILE][FEW_COLS]) {
+  const int64_t chunks = few_chunks(a), gs = a->group_size;
+  const int64_t padded = dot_align(a->in_features / gs);
+  __m512bh xa[FEW_TILE], xb[FEW_TILE];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++) {
+    const bf16_t *x = xp + ((m0 + r) * chunks + c) * 64;
+    xa[r] = (__m512bh)_mm512_loadu_si512((const void *)x);
+    xb[r] = (__m512bh)_mm512_loadu_si512((const void *)(x + 32));
+  }
+  /* the scales' lanes, picked from 16 groups' scales: FEW_PAIR (groups of 32) lanes 0..7 the
+   * group of column 64 c, lanes 8..15 of 64 c + 32; FEW_HALF (of 16) ia for wa's lanes, ib
+   * for wb's; FEW_WIDE: one group */
+  __m512i ia = _mm512_setzero_si512(), ib = ia;
+  int64_t first = 0;
+  if (MODE == FEW_PAIR) {
+    const int g = (int)(2 * (c & 7));
+    ia = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(g), _mm512_set1_epi32(g + 1));
+    first = 16 * (c >> 3);
+  } else if (MODE == FEW_HALF) {
+    const int g = (int)(4 * (c & 3));
+    ia = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(g), _mm512_set1_epi32(g + 2));
+    ib = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(g + 1), _mm512_set1_epi32(g + 3));
+    first = 16 * (c >> 2);
+  } else if (MODE == FEW_WIDE) {
+    first = c * 64 / gs;
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < FEW_COLS; j++) {
+    __m512i wa, wb;
+    few_codes(codes[j], kind, c, HALF, &wa, &wb);
+    const float *sj = s + j * padded;
+    if (MODE == FEW_ONE) {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++)
+        total[r][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(total[r][j], (__m512bh)wa, xa[r]),
+                                       (__m512bh)wb, xb[r]);
+    } else if (MODE == FEW_HALF) {
+      const __m512 sixteen = _mm512_loadu_ps(sj + first);
+      const __m512 sa = _mm512_permutexvar_ps(ia, sixteen), sb = _mm512_permutexvar_ps(ib, sixteen);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        total[r][j] = _mm512_fmadd_ps(
+            _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)wa, xa[r]), sa, total[r][j]);
+        total[r][j] = _mm512_fmadd_ps(
+            _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)wb, xb[r]), sb, total[r][j]);
+      }
+    } else {
+      const __m512 sv = MODE == FEW_PAIR ? _mm512_permutexvar_ps(ia, _mm512_loadu_ps(sj + first))
+                                         : _mm512_set1_ps(sj[first]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; r++) {
+        const __m512 t = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(),
+                                                           (__m512bh)wa, xa[r]),
+                                          (__m512bh)wb, xb[r]);
+        total[r][j] = _mm512_fmadd_ps(t, sv, total[r][j]);
+      }
+    }
+  }
+}
+
+/* Rows m0 .. m0 + R - 1 times columns n0 .. n0 + FEW_COLS - 1 (s, z: their params from
+ * few_params, each ``padded`` long), into out (plus the bias), R and MODE constants after
+ * inlining. */
+INLINE void few_tile(const qmm_args *a, int kind, int MODE, int R, int64_t m0, int64_t n0,
+                     const bf16_t *xp, const float *xs, const float *s, const float *z) {
+  const int64_t K = a->in_features, N = a->out_features, full = K / 64;
+  const int64_t gs = a->group_size, padded = dot_align(K / gs);
+  const int64_t row_bytes = kind == DOT_INT4 ? K / 2 : K;
+  const char *codes[FEW_COLS];
+  for (int j = 0; j < FEW_COLS; j++) /* columns past the last read column n0's codes */
+    codes[j] = (const char *)a->codes + (n0 + j < N ? n0 + j : n0) * row_bytes;
+  __m512 total[FEW_TILE][FEW_COLS];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < FEW_COLS; j++) total[r][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < full; c++) few_chunk(a, kind, MODE, R, 0, c, m0, xp, codes, s, total);
+  if (K % 64) few_chunk(a, kind, MODE, R, 1, full, m0, xp, codes, s, total);
+  const int cols = N - n0 < FEW_COLS ? (int)(N - n0) : FEW_COLS;
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int j = 0; j < FEW_COLS; j++) {
+      __m512 t = total[r][j];
+      if (MODE == FEW_ONE) t = _mm512_mul_ps(t, _mm512_set1_ps(s[j * padded]));
+      if (z) /* the zero terms: zero times the group's sum of x, 16 groups a vector */
+        for (int64_t g = 0; g < padded; g += 16)
+          t = _mm512_fmadd_ps(_mm512_loadu_ps(z + j * padded + g),
+                              _mm512_loadu_ps(xs + (m0 + r) * padded + g), t);
+      if (j >= cols) continue;
+      float v = _mm512_reduce_add_ps(t);
+      if (a->bias) v += a->bias[n0 + j];
+      ((bf16_t *)a->out)[(m0 + r) * N + n0 + j] = f32_to_bf16(v);
+    }
+}
+
+#define FEW_ROW_TILES(kind, MODE)                                                           \
+  for (int64_t m0 = 0; m0 < M; m0 += FEW_TILE) {                                            \
+    const int R = M - m0 < FEW_TILE ? (int)(M - m0) : FEW_TILE;                             \
+    if (R == 4) few_tile(a, kind, MODE, 4, m0, n0, xp, xs, s, z);                           \
+    else if (R == 3) few_tile(a, kind, MODE, 3, m0, n0, xp, xs, s, z);                      \
+    else if (R == 2) few_tile(a, kind, MODE, 2, m0, n0, xp, xs, s, z);                      \
+    else few_tile(a, kind, MODE, 1, m0, n0, xp, xs, s, z);                                  \
+  }
+
+#define FEW_MODES(kind)                                                                     \
+  {                                                                                         \
+    if (mode == FEW_ONE) FEW_ROW_TILES(kind, FEW_ONE)                                       \
+    else if (mode == FEW_PAIR) FEW_ROW_TILES(kind, FEW_PAIR)                                \
+    else if (mode == FEW_HALF) FEW_ROW_TILES(kind, FEW_HALF)                                \
+    else FEW_ROW_TILES(kind, FEW_WIDE)                                                      \
+  }
+
+static void few_gemm(const qmm_args *a, int kind) {
+  const int64_t M = a->rows, N = a->out_features, K = a->in_features, gs = a->group_size;
+  const int64_t padded = dot_align(K / gs), tiles = (N + FEW_COLS - 1) / FEW_COLS;
+  const int zeros = kind != DOT_INT8;
+  const int mode = K / gs == 1 ? FEW_ONE : gs == 16 ? FEW_HALF : gs == 32 ? FEW_PAIR : FEW_WIDE;
+  bf16_t *xp = (bf16_t *)a->workspace;
+  float *xs = zeros ? a->workspace + dot_align(M * few_chunks(a) * 32) : NULL;
+  float *own = a->workspace + dot_align(M * few_chunks(a) * 32) +
+               (zeros ? dot_align(M * padded) : 0);
+  few_pack_rows(a, xp, xs);
+  const int64_t row_bytes = kind == DOT_INT4 ? K / 2 : K;
+  const int64_t params_per_row = (K / gs) << (kind != DOT_INT8);
+#pragma omp parallel num_threads(a->num_threads)
+  {
+    float *s = own + dot_thread() * 2 * FEW_COLS * padded;
+    float *z = zeros ? s + FEW_COLS * padded : NULL;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+      const int64_t n0 = t * FEW_COLS;
+      for (int j = 0; j < FEW_COLS; j++) {
+        prefetch_column(a, n0 + j, row_bytes, params_per_row);
+        few_params(a, kind, n0 + j < N ? n0 + j : n0, s + j * padded, z ? z + j * padded : NULL);
+      }
+      if (kind == DOT_INT4) FEW_MODES(DOT_INT4) /* kind and MODE constants in each copy */
+      else if (kind == DOT_INT8) FEW_MODES(DOT_INT8)
+      else FEW_MODES(DOT_INT8_ZERO)
+    }
+  }
+}
+
 int64_t dot_gemm_workspace(const qmm_args *a, int64_t kind) {
-  return dot_workspace(a, kind != DOT_INT8);
+  return dot_few(a) ? few_workspace(a, kind != DOT_INT8) : dot_workspace(a, kind != DOT_INT8);
 }
 void int4_dot_gemm(const qmm_args *a) { dot_gemm(a, DOT_INT4); }
 void int8_dot_gemm(const qmm_args *a) { dot_gemm(a, DOT_INT8); }

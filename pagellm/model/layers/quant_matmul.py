@@ -57,6 +57,13 @@ DOT_ROWS = 16
 # products' 0.6-1.15x at 8 rows, 0.87-1.5x at 9, 1.02-1.5x at 10, 1.1-1.75x at 12 (two
 # threads; with one 0.83-1.3x, 1.0-1.5x, 1.05-1.65x, 1.2-1.95x)
 LOOP_DOT_ROWS = 10
+# Below 16 rows the AVX512-BF16 build has a few-rows kernel (dot_few: K % 32 == 0, groups of
+# 16, 32, a multiple of 64 or K), from which the products run from these counts instead: the
+# same Zen 4 EPYC, one thread, SmolLM2's shapes: against torch's int4 kernel 0.89-0.94x its
+# time at 8-15 rows (1.0-1.05x at 1-4), against torch's per-row int8 kernel 0.5-0.85x at
+# 4-15 rows, and below the compiled loops' time at every row count (docs/BENCHMARKS.md)
+FEW_DOT_ROWS = 8
+FEW_LOOP_DOT_ROWS = 1
 _DOT_KINDS = {"int4": 0, "int8": 1, "int8_zero": 2}
 # the int4 panels have no GEMM path (their kernel was faster at 16-1024 rows, see
 # int4_panel_a8_matmul); a product of more rows runs in calls of this many
@@ -99,6 +106,8 @@ class _Library(native.KernelLibrary):
                     getattr(library, name).restype = None
                 library.dot_gemm_workspace.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64]
                 library.dot_gemm_workspace.restype = ctypes.c_int64
+                library.dot_few.argtypes = [ctypes.POINTER(_Args)]
+                library.dot_few.restype = ctypes.c_int
             for name in ("int4_dequantize", "int8_dequantize", "int8_zero_dequantize"):
                 getattr(library, name).argtypes = [
                     ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -144,7 +153,9 @@ def describe() -> str:
     vnni = "; int8 activations by AVX512-VNNI" if _LIBRARY.features & 4 else ""
     if _LIBRARY.features & 8:
         vnni += (f"; bfloat16 rows by AVX512-BF16 from {DOT_ROWS} rows "
-                 f"({min(DOT_ROWS, LOOP_DOT_ROWS)} for the compiled loops' products)")
+                 f"({min(DOT_ROWS, LOOP_DOT_ROWS)} for the compiled loops' products; "
+                 f"{FEW_DOT_ROWS} and {FEW_LOOP_DOT_ROWS} for weights the few-rows kernel "
+                 f"takes)")
     if not preferred():
         return ("torch's weight-only kernels (AVX-512 CPU); compiled ones for group-wise "
                 f"int8{vnni}")
@@ -183,6 +194,7 @@ class QuantizedMatmul:
 
     int8_activations = False
     _panel_matmul = None  # panel_matmul()
+    _few = None  # runs_dot: whether the few-rows AVX512-BF16 kernel takes this weight
 
     def __init__(self, kind: str, codes: torch.Tensor, params: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None,
@@ -259,11 +271,25 @@ class QuantizedMatmul:
         bfloat16 rows, at least LOOP_DOT_ROWS of them (DOT_ROWS ``instead_of_torch``: for a
         layer that runs torch's kernel otherwise; this product's own calls run it from
         whichever is lower), where the build has it (int4, int8 and int8_zero codes, without
-        int8 activations; groups of an even size: it multiplies pairs)."""
-        least = DOT_ROWS if instead_of_torch else min(DOT_ROWS, LOOP_DOT_ROWS)
-        return (rows >= least and dtype == torch.bfloat16 and self.kind in _DOT_KINDS
-                and not self.integer() and self.args.group_size % 2 == 0
-                and has_dot_products())
+        int8 activations; groups of an even size: it multiplies pairs). Where its few-rows
+        kernel takes the weight (dot_few), from FEW_LOOP_DOT_ROWS rows (FEW_DOT_ROWS
+        ``instead_of_torch``)."""
+        if not (dtype == torch.bfloat16 and self.kind in _DOT_KINDS and not self.integer()
+                and self.args.group_size % 2 == 0 and has_dot_products()):
+            return False
+        if self.takes_few_rows() and rows < DOT_ROWS:
+            return rows >= (FEW_DOT_ROWS if instead_of_torch else FEW_LOOP_DOT_ROWS)
+        return rows >= (DOT_ROWS if instead_of_torch else min(DOT_ROWS, LOOP_DOT_ROWS))
+
+    def takes_few_rows(self) -> bool:
+        """Whether the AVX512-BF16 build's few-rows kernel takes this weight's products of
+        fewer than DOT_ROWS rows (dot_few: K % 32 == 0, groups of 16, 32, a multiple of 64
+        or K). Caller checks has_dot_products()."""
+        if self._few is None:
+            args = _Args.from_buffer_copy(self.args)
+            args.rows = 1
+            self._few = bool(_LIBRARY.load().dot_few(ctypes.byref(args)))
+        return self._few
 
     def dot_workspace_floats(self, rows: int) -> int:
         """The workspace the AVX512-BF16 product of ``rows`` rows needs with the current
