@@ -1554,7 +1554,9 @@ static void dot_gemm(const qmm_args *a, int kind) {
  * Zen 4 EPYC one column's chunk of int4 codes takes ~8.4 cycles at one row, bound by the
  * FP pipes that the shuffles and vdpbf16ps share (docs/BENCHMARKS.md). Needs K % 32 == 0 and
  * group_size 16, 32, a multiple of 64 or K (dot_few). */
-#define FEW_ROWS 16
+/* from here blocks of 16 rows (dot_tile): on the Zen 4 EPYC they cross between 9 and 10 rows
+ * (SmolLM2's shapes, int4 and int8; a block costs about the same at 10 rows as at 16) */
+#define FEW_ROWS 10
 #define FEW_COLS 4 /* output columns per tile */
 #define FEW_TILE 4 /* rows per tile */
 

@@ -57,11 +57,13 @@ DOT_ROWS = 16
 # products' 0.6-1.15x at 8 rows, 0.87-1.5x at 9, 1.02-1.5x at 10, 1.1-1.75x at 12 (two
 # threads; with one 0.83-1.3x, 1.0-1.5x, 1.05-1.65x, 1.2-1.95x)
 LOOP_DOT_ROWS = 10
-# Below 16 rows the AVX512-BF16 build has a few-rows kernel (dot_few: K % 32 == 0, groups of
-# 16, 32, a multiple of 64 or K), from which the products run from these counts instead: the
-# same Zen 4 EPYC, one thread, SmolLM2's shapes: against torch's int4 kernel 0.89-0.94x its
-# time at 8-15 rows (1.0-1.05x at 1-4), against torch's per-row int8 kernel 0.5-0.85x at
-# 4-15 rows, and below the compiled loops' time at every row count (docs/BENCHMARKS.md)
+# Below 10 rows the AVX512-BF16 build has a few-rows kernel (dot_few: K % 32 == 0, groups of
+# 16, 32, a multiple of 64 or K; from 10 rows its blocks of 16, which cost about the same at
+# 10 rows as at 16), with which the products run from these counts instead: the same Zen 4
+# EPYC, one thread, SmolLM2's shapes: against torch's int4 kernel 0.94x its time at 8 rows
+# (1.0-1.05x at 1-4; the blocks 0.55-0.75x at 10-15), against torch's per-row int8 kernel
+# 0.5-0.85x from 4 rows, and below the compiled loops' time at every row count
+# (docs/BENCHMARKS.md)
 FEW_DOT_ROWS = 8
 FEW_LOOP_DOT_ROWS = 1
 _DOT_KINDS = {"int4": 0, "int8": 1, "int8_zero": 2}
@@ -283,7 +285,7 @@ class QuantizedMatmul:
 
     def takes_few_rows(self) -> bool:
         """Whether the AVX512-BF16 build's few-rows kernel takes this weight's products of
-        fewer than DOT_ROWS rows (dot_few: K % 32 == 0, groups of 16, 32, a multiple of 64
+        fewer than 10 rows, and so runs_dot from FEW_LOOP_DOT_ROWS / FEW_DOT_ROWS (dot_few: K % 32 == 0, groups of 16, 32, a multiple of 64
         or K). Caller checks has_dot_products()."""
         if self._few is None:
             args = _Args.from_buffer_copy(self.args)
