@@ -575,7 +575,8 @@ FEW_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 15)
     ("int8", None, 96), ("int8", 8, 40), ("int8", 32, 352), ("int8_zero", 16, 96),
     ("int8_zero", 48, 96), ("int4", 32, 4096)])
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_dot_products_match_float64_reference(kind, group_size, in_features, param_dtype):
+def test_dot_products_match_float64_reference(kind, group_size, in_features, param_dtype,
+                                              monkeypatch):
     """The AVX512-BF16 products (bfloat16 rows from LOOP_DOT_ROWS on): the float64 product of the
     rows with the dequantized weight, rounded once to bfloat16, for every code kind, with
     output columns not a multiple of the kernel's 8 (37), K with pairs not a multiple of 16
@@ -613,6 +614,8 @@ def test_dot_products_match_float64_reference(kind, group_size, in_features, par
     # the few-rows kernel: K % 32 == 0 and groups of 16, 32, a multiple of 64 or K
     few = k % 32 == 0 and ((group_size or k) in (16, 32, k) or (group_size or k) % 64 == 0)
     assert kernel.takes_few_rows() == few
+    # every row count of the few-rows kernel (the compiled loops run 1-3 rows as shipped)
+    monkeypatch.setattr(quant_matmul, "FEW_LOOP_DOT_ROWS", 1)
     for rows in sorted(set(DOT_ROWS + (FEW_ROWS if few else ()))):
         assert kernel.runs_dot(rows, torch.bfloat16)
         expected = x[:rows].double() @ deq.T
@@ -631,6 +634,7 @@ def test_dot_products_match_float64_reference(kind, group_size, in_features, par
             kernel.prepared(x[:rows], into, torch.empty(floats - 1))
     # from LOOP_DOT_ROWS where the compiled loops run otherwise, DOT_ROWS instead of torch's
     # (FEW_LOOP_DOT_ROWS and FEW_DOT_ROWS where the few-rows kernel takes the weight)
+    monkeypatch.undo()
     loops, torchs = ((quant_matmul.FEW_LOOP_DOT_ROWS, quant_matmul.FEW_DOT_ROWS) if few else
                      (quant_matmul.LOOP_DOT_ROWS, quant_matmul.DOT_ROWS))
     assert kernel.runs_dot(loops, torch.bfloat16)

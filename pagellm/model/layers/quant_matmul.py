@@ -62,10 +62,10 @@ LOOP_DOT_ROWS = 10
 # 10 rows as at 16), with which the products run from these counts instead: the same Zen 4
 # EPYC, one thread, SmolLM2's shapes: against torch's int4 kernel 0.94x its time at 8 rows
 # (1.0-1.05x at 1-4; the blocks 0.55-0.75x at 10-15), against torch's per-row int8 kernel
-# 0.5-0.85x from 4 rows, and below the compiled loops' time at every row count
-# (docs/BENCHMARKS.md)
+# 0.5-0.85x from 4 rows; against the compiled loops (group-wise int8, two threads) 1.1-1.2x
+# their time at 1 row, level at 2, 0.85-0.95x at 4 and 0.57-0.9x at 8 (docs/BENCHMARKS.md)
 FEW_DOT_ROWS = 8
-FEW_LOOP_DOT_ROWS = 1
+FEW_LOOP_DOT_ROWS = 4
 _DOT_KINDS = {"int4": 0, "int8": 1, "int8_zero": 2}
 # the int4 panels have no GEMM path (their kernel was faster at 16-1024 rows, see
 # int4_panel_a8_matmul); a product of more rows runs in calls of this many
@@ -285,8 +285,9 @@ class QuantizedMatmul:
 
     def takes_few_rows(self) -> bool:
         """Whether the AVX512-BF16 build's few-rows kernel takes this weight's products of
-        fewer than 10 rows, and so runs_dot from FEW_LOOP_DOT_ROWS / FEW_DOT_ROWS (dot_few: K % 32 == 0, groups of 16, 32, a multiple of 64
-        or K). Caller checks has_dot_products()."""
+        fewer than 10 rows, and so runs_dot from FEW_LOOP_DOT_ROWS / FEW_DOT_ROWS (dot_few:
+        K % 32 == 0, groups of 16, 32, a multiple of 64 or K). Caller checks
+        has_dot_products()."""
         if self._few is None:
             args = _Args.from_buffer_copy(self.args)
             args.rows = 1
