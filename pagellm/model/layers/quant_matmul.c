@@ -1690,7 +1690,8 @@ INLINE void few_codes(const void *q, int kind, int64_t c, int half, __m512i *wa,
     *wb = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), values);
   } else {
     const int8_t *p = (const int8_t *)q + c * 64;
-#define FEW_WIDEN(i) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + (i)))))
+#define FEW_WIDEN(i) \
+  _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + (i)))))
     const __m512 a0 = FEW_WIDEN(0), a1 = FEW_WIDEN(16);
     const __m512 b0 = half ? _mm512_setzero_ps() : FEW_WIDEN(32);
     const __m512 b1 = half ? _mm512_setzero_ps() : FEW_WIDEN(48);
