@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/decode_kernel_variants.py --rev HEAD~1        # against the last commit
     .venv/bin/python benchmarks/decode_kernel_variants.py --sources /tmp/a.c,/tmp/b.c --threads 1
     .venv/bin/python benchmarks/decode_kernel_variants.py --kv-dtypes auto,int8,fp8,fp8_e5m2
-    .venv/bin/python benchmarks/decode_kernel_variants.py --amx-int8-values   # AMX-INT8 CPUs
+    .venv/bin/python benchmarks/decode_kernel_variants.py --no-amx   # AMX CPUs: without AMX
 
 For work on pagellm/attention/paged_decode.c: this machine's timings drift by 10-40% from one
 minute to the next, more than most changes to the kernel move them, so two builds are only
@@ -111,9 +111,10 @@ def main() -> None:
                         help=f"comma-separated among: {', '.join(SHAPES)}")
     parser.add_argument("--block-size", type=int, default=BLOCK,
                         help=f"tokens per KV block (default {BLOCK})")
-    parser.add_argument("--amx-int8-values", action="store_true",
-                        help="also the package's source with cpu_kernel.use_amx_int8_values on "
-                             "(a CPU with AMX-INT8 only)")
+    parser.add_argument("--no-amx", action="store_true",
+                        help="also the package's source with cpu_kernel.use_amx off (the "
+                             "table kernels for fp8, and for int8 where use_vnni_int8 is off; "
+                             "a CPU with AMX only)")
     args = parser.parse_args()
     if args.block_size < 1:
         parser.error(f"--block-size must be at least 1, got {args.block_size}")
@@ -141,14 +142,16 @@ def main() -> None:
     for source in filter(None, args.sources.split(",")):
         names.append(source)
         sources.append(Path(source))
-    if args.amx_int8_values:  # a copy of the source: its own library, its own switch
+    if args.no_amx:  # a copy of the source: its own library, its own switch
         path = scratch / f"paged_decode_{len(sources)}.c"
-        path.write_text(Path(cpu_kernel._SOURCE).read_text() + "/* int8 values */\n")
-        names.append("paged_decode.c, int8 values on AMX-INT8")
+        path.write_text(Path(cpu_kernel._SOURCE).read_text() + "/* no AMX */\n")
+        names.append("paged_decode.c, AMX off")
         sources.append(path)
     kernels = [load_kernel(i, source) for i, source in enumerate(sources)]
-    if args.amx_int8_values and not kernels[-1].use_amx_int8_values(True):
-        sys.exit("--amx-int8-values: this CPU or build has no AMX-INT8 products")
+    if args.no_amx:
+        if not kernels[-1].use_amx():
+            sys.exit("--no-amx: the AMX kernels do not run on this CPU or build")
+        kernels[-1].use_amx(False)
     runs = [run for shape in shapes
             for run in measure(kernels, names, kv_dtypes, SHAPES[shape], args.iters,
                                args.block_size)]

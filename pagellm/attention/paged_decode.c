@@ -47,9 +47,6 @@
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define USE_Q8_AMX 1    /* and their tile products ("AMX" below) */
-#if defined(__AMX_INT8__)
-#define USE_Q8_AMX_INT8 1 /* int8 values: integer products in pass 2 */
-#endif
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -1577,7 +1574,7 @@ typedef struct {
   uint16_t colsb[16];
   uint8_t rows[16];
 } amx_config;
-INLINE void amx_configure(int pass, const int64_t G, int int_values) {
+INLINE void amx_configure(int pass, const int64_t G) {
   amx_config c;
   memset(&c, 0, sizeof c);
   c.palette = 1;
@@ -1585,10 +1582,6 @@ INLINE void amx_configure(int pass, const int64_t G, int int_values) {
     if (pass == 0) { /* tmm0 scores, tmm4-5 keys, tmm6-7 query pairs */
       c.rows[i] = i == 0 || i >= 4 ? 16 : 0;
       c.colsb[i] = (uint16_t)(i == 4 || i == 5 ? 64 : i == 0 || i >= 6 ? 4 * G : 0);
-    } else if (int_values) { /* tmm0-3 sums [2G halves x 16 dims], tmm4 weight halves
-                                [2G x 16 keys], tmm5-7 value quads [4 x 16 dims] */
-      c.rows[i] = (uint8_t)(i >= 5 ? 4 : 2 * G);
-      c.colsb[i] = (uint16_t)(i == 4 ? 16 : 64);
     } else {         /* tmm0-3 outputs, tmm4 weights, tmm5-7 value pairs */
       c.rows[i] = (uint8_t)(i >= 5 ? 8 : G);
       c.colsb[i] = (uint16_t)(i == 4 ? 32 : 64);
@@ -1607,14 +1600,8 @@ INLINE uint32_t* query_pairs(const decode_args* a, int64_t r0) {
 typedef struct {
   bf16_t tile[2][TILE_KEYS * 256]; /* pass 1: the key rows */
   float sc[2][TILE_KEYS];          /* and their scales */
-  union {
-    __m512i vp[2][16][TILE_KEYS / 2]; /* pass 2: [chunk of 16 dims][key pair] value pairs */
-    uint8_t vq[2][16][TILE_KEYS / 4][64]; /* int8 codes: [chunk][key quad] (amx_int_values) */
-  };
+  __m512i vp[2][16][TILE_KEYS / 2]; /* pass 2: [chunk of 16 dims][key pair] value pairs */
   bf16_t wt[2][16 * TILE_KEYS];     /* and the scaled weights */
-  uint8_t wq[2][16 * TILE_KEYS];    /* int8 values: their 16-bit fixed-point halves */
-  float wf[2][8];                   /* and the halves' scales */
-  int int_values;                   /* pass 2 takes the int8 path (amx_int_values) */
   const uint32_t* qp[2];            /* pass 1: the query pairs */
   float* out[2];                    /* pass 1: the scores; pass 2: the partial sum */
   int64_t rf[2], n[2];              /* the scores' row stride (pass 1); the keys */
@@ -1687,130 +1674,16 @@ INLINE void amx_values(int b, const int64_t D) {
     _tile_stored(3, ad + 48, D * 4);
   }
 }
-#ifdef USE_Q8_AMX_INT8
-/* Pass 2 over int8 values, G <= 8: integer products (TDPBUSD) of the codes as they are,
-   instead of their bfloat16 values. The scaled weights x_g,i = w_g,i * sc_i (>= 0: softmax
-   numerators times the rows' absmax scales) of a head are taken in 16-bit fixed point of
-   their maximum m_g, u = round(x * 65535 / m_g) = 256 hi + lo, and its two bytes multiply the
-   codes: out_g += (m_g / 65535) (256 sum_i hi_i v_i + sum_i lo_i v_i), the sums exact in int32
-   (at most 32 keys * 65535 * 127 < 2^31). Each weight is off by at most m_g / 131070 where a
-   bfloat16 one is off by up to 2^-9 of itself. The codes need no decoding, only a 4-key
-   interleave into the products' layout (a byte permute and two rounds of unpacks per 4 keys
-   and 64 dimensions), half the bytes of the bfloat16 value pairs.
-   quad_index: the byte permute before the unpacks, so that quad row j of a 64-dimension
-   chunk holds dimensions 16 j.. 16 j + 15 in order (the unpacks work within 128-bit lanes). */
-static uint8_t quad_perm[64] __attribute__((aligned(64)));
-__attribute__((constructor)) static void init_quad_perm(void) {
-  for (int p = 0; p < 64; p++)
-    quad_perm[p] = (uint8_t)((p >> 2 & 3) << 4 | (p >> 4 & 3) << 2 | (p & 3));
-}
-INLINE __m512i quad_index(void) { return _mm512_load_si512(quad_perm); }
-INLINE void amx_int_rows(const uint8_t* restrict v, int64_t vs, int64_t n,
-                         const float* restrict w, int64_t rf, const int64_t D,
-                         const int64_t G, int b) {
-  amx_state* st = amx_at;
-  float sc[TILE_KEYS];
-  for (int64_t i = 0; i < n; i++) sc[i] = row_scale(v + i * vs, D);
-  const __mmask16 m0 = first_lanes(n), m1 = first_lanes(n - 16);
-  const __m512 s0 = _mm512_maskz_loadu_ps(m0, sc), s1 = _mm512_maskz_loadu_ps(m1, sc + 16);
-  const __m512i byte = _mm512_set1_epi32(255);
-  uint8_t* wq = st->wq[b];
-  for (int64_t g = 0; g < G; g++) {
-    const __m512 x0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, w + g * rf), s0);
-    const __m512 x1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, w + g * rf + 16), s1);
-    float to_codes;
-    st->wf[b][g] = weight_step(x0, x1, 65535.0f, &to_codes);
-    const __m512 f = _mm512_set1_ps(to_codes);
-    const __m512i u[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(x0, f)),
-                          _mm512_cvtps_epi32(_mm512_mul_ps(x1, f))};
-    for (int h = 0; h < 2; h++) {
-      _mm_storeu_si128((__m128i*)(wq + g * TILE_KEYS + 16 * h),
-                       _mm512_cvtepi32_epi8(_mm512_srli_epi32(u[h], 8)));
-      _mm_storeu_si128((__m128i*)(wq + (G + g) * TILE_KEYS + 16 * h),
-                       _mm512_cvtepi32_epi8(_mm512_and_si512(u[h], byte)));
-    }
-  }
-  const __m512i perm = quad_index();
-  const int64_t quads = (n + 15) / 16 * 4; /* whole chunks of 16 keys, zeros past n */
-  for (int64_t dc = 0; dc < D; dc += 64) {
-    uint8_t(*vq)[TILE_KEYS / 4][64] = st->vq[b] + dc / 16;
-    for (int64_t p = 0; p < quads; p++) {
-      const int64_t i = 4 * p;
-      __m512i r[4];
-      if (i < n) PREFETCH_STEPS(256, uint8_t); /* the four keys' 64 dimensions */
-      for (int k = 0; k < 4; k++)
-        r[k] = i + k < n ? _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(v + (i + k) * vs + dc))
-                         : _mm512_setzero_si512();
-      const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
-      const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
-      _mm512_store_si512(vq[0][p], _mm512_unpacklo_epi16(t0, t2));
-      _mm512_store_si512(vq[1][p], _mm512_unpackhi_epi16(t0, t2));
-      _mm512_store_si512(vq[2][p], _mm512_unpacklo_epi16(t1, t3));
-      _mm512_store_si512(vq[3][p], _mm512_unpackhi_epi16(t1, t3));
-    }
-  }
-}
-INLINE void amx_int_values(int b, const int64_t D, const int64_t G) {
-  amx_state* st = amx_at;
-  const int64_t n = st->n[b];
-  int32_t s[16 * 64] __attribute__((aligned(64))); /* [2G halves][64 dims] */
-  for (int64_t dc = 0; dc < D; dc += 64) {
-    uint8_t(*vq)[TILE_KEYS / 4][64] = st->vq[b] + dc / 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t i0 = 0; i0 < n; i0 += 16) {
-      _tile_loadd(4, st->wq[b] + i0, TILE_KEYS);
-      _tile_loadd(5, vq[0][i0 / 4], 64);
-      _tile_dpbusd(0, 4, 5);
-      _tile_loadd(6, vq[1][i0 / 4], 64);
-      _tile_dpbusd(1, 4, 6);
-      _tile_loadd(7, vq[2][i0 / 4], 64);
-      _tile_dpbusd(2, 4, 7);
-      _tile_loadd(5, vq[3][i0 / 4], 64);
-      _tile_dpbusd(3, 4, 5);
-    }
-    _tile_stored(0, s, 256);
-    _tile_stored(1, s + 16, 256);
-    _tile_stored(2, s + 32, 256);
-    _tile_stored(3, s + 48, 256);
-    for (int64_t g = 0; g < G; g++) {
-      const __m512 f = _mm512_set1_ps(st->wf[b][g]);
-      float* ag = st->out[b] + g * D + dc;
-      for (int c = 0; c < 4; c++) {
-        const __m512i hi = _mm512_load_si512(s + g * 64 + 16 * c);
-        const __m512i u = _mm512_add_epi32(_mm512_slli_epi32(hi, 8),
-                                           _mm512_load_si512(s + (G + g) * 64 + 16 * c));
-        _mm512_storeu_ps(ag + 16 * c,
-                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(u), f, _mm512_loadu_ps(ag + 16 * c)));
-      }
-    }
-  }
-}
-/* Off unless paged_decode_amx_int8(1): not yet timed against the bfloat16 value products. */
-static int amx_int8_wanted = 0;
-#define AMX_INT_VALUES(G) ((G) <= 8 && amx_int8_wanted)
-#else
-#define AMX_INT_VALUES(G) 0
-INLINE void amx_int_rows(const uint8_t* v, int64_t vs, int64_t n, const float* w, int64_t rf,
-                         const int64_t D, const int64_t G, int b) {
-  (void)v; (void)vs; (void)n; (void)w; (void)rf; (void)D; (void)G; (void)b;
-}
-INLINE void amx_int_values(int b, const int64_t D, const int64_t G) { (void)b; (void)D; (void)G; }
-#endif
 /* The products of the block decoded last, if any. */
 INLINE void amx_pending(const decode_args* a, int pass, const int64_t D, const int64_t G) {
   amx_state* st = amx_at;
   if (!st->pending) return;
   if (pass == 0) amx_scores(a, 1 - st->next, D, G);
-  else if (st->int_values) amx_int_values(1 - st->next, D, G);
   else amx_values(1 - st->next, D);
   st->pending = 0;
 }
-/* PHASE for the AMX kernels; int_values: pass 2 takes the int8 path. */
-INLINE void amx_phase_as(const decode_args* a, int phase, const int64_t D, const int64_t G,
-                         int int_values) {
+/* PHASE for the AMX kernels. */
+INLINE void amx_phase(const decode_args* a, int phase, const int64_t D, const int64_t G) {
   if (phase == 0) { /* the query pairs, shared out by (sequence, KV head) */
     _Pragma("omp for schedule(static)")
     for (int64_t r0 = 0; r0 < a->num_seqs * a->num_heads; r0 += G) {
@@ -1823,21 +1696,14 @@ INLINE void amx_phase_as(const decode_args* a, int phase, const int64_t D, const
     amx_at = amx_state_of(a, omp_get_thread_num());
   }
   if (phase % 2 == 0) {
-    amx_at->int_values = phase == 2 && int_values;
-    amx_configure(phase / 2, G, amx_at->int_values);
+    amx_configure(phase / 2, G);
     amx_at->pending = amx_at->next = 0;
   } else {
     amx_pending(a, phase / 2, D, G);
     if (phase == 3) _tile_release();
   }
 }
-INLINE void amx_phase(const decode_args* a, int phase, const int64_t D, const int64_t G) {
-  amx_phase_as(a, phase, D, G, 0);
-}
-INLINE void amx_phase_int8(const decode_args* a, int phase, const int64_t D, const int64_t G) {
-  amx_phase_as(a, phase, D, G, AMX_INT_VALUES(G));
-}
-#define DEFINE_AMX_ROWS(FMT, F, PHASE)                                                       \
+#define DEFINE_AMX_ROWS(FMT, F)                                                       \
 INLINE void score_rows_amx_##FMT(const decode_args* a, const uint8_t* k, int64_t ks,         \
                                  int64_t n, int64_t r0, float* out, int64_t rf,              \
                                  const int64_t D, const int64_t G) {                         \
@@ -1857,15 +1723,6 @@ INLINE void value_rows_amx_##FMT(const decode_args* a, const uint8_t* v, int64_t
                                  const int64_t D, const int64_t G) {                         \
   amx_state* st = amx_at;                                                                    \
   const int b = st->next;                                                                    \
-  if (F == 0 && st->int_values) {                                                            \
-    amx_int_rows(v, vs, n, w, rf, D, G, b);                                                  \
-    amx_pending(a, 1, D, G);                                                                 \
-    st->out[b] = acc;                                                                        \
-    st->n[b] = n;                                                                            \
-    st->pending = 1;                                                                         \
-    st->next = 1 - b;                                                                        \
-    return;                                                                                  \
-  }                                                                                          \
   float sc[TILE_KEYS];                                                                       \
   for (int64_t i = 0; i < n; i++) sc[i] = row_scale(v + i * vs, D);                          \
   scaled_weights_bf16(w, rf, sc, n, G, st->wt[b]);                                           \
@@ -1895,12 +1752,12 @@ INLINE void value_rows_amx_##FMT(const decode_args* a, const uint8_t* v, int64_t
   st->pending = 1;                                                                           \
   st->next = 1 - b;                                                                          \
 }                                                                                            \
-DEFINE_Q8_KERNEL(kernel_q8_bf16_##FMT##_amx, bf16, TILE_KEYS, PHASE,                         \
+DEFINE_Q8_KERNEL(kernel_q8_bf16_##FMT##_amx, bf16, TILE_KEYS, amx_phase,                         \
                  score_rows_amx_##FMT, value_rows_amx_##FMT)                                 \
 DISPATCH_Q8(run_q8_bf16_##FMT##_amx, kernel_q8_bf16_##FMT##_amx)
-DEFINE_AMX_ROWS(int8, 0, amx_phase_int8)
-DEFINE_AMX_ROWS(e4m3, 1, amx_phase)
-DEFINE_AMX_ROWS(e5m2, 2, amx_phase)
+DEFINE_AMX_ROWS(int8, 0)
+DEFINE_AMX_ROWS(e4m3, 1)
+DEFINE_AMX_ROWS(e5m2, 2)
 /* Whether the kernels may use the tile registers: Linux (5.16 and later) grants them to a
    process on request, once (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA);
    paged_decode_amx(0) turns them off (the table kernels run), (1) on where granted; -1 only
@@ -1913,17 +1770,6 @@ static int amx_permitted(void) {
 int paged_decode_amx(int on) {
   if (on >= 0) amx_wanted = on;
   return amx_permitted();
-}
-/* Whether pass 2 over int8 caches takes the integer products (amx_int_values) where the AMX
-   kernels run: (1) on, (0) off (the default), -1 only asks. */
-int paged_decode_amx_int8(int on) {
-#ifdef USE_Q8_AMX_INT8
-  if (on >= 0) amx_int8_wanted = on;
-  return amx_int8_wanted && amx_permitted();
-#else
-  (void)on;
-  return 0;
-#endif
 }
 #define AMX(FMT, a)                                                                          \
   if (a->num_heads / a->num_kv_heads <= 16 && amx_permitted()) {                             \
@@ -1940,8 +1786,8 @@ int paged_decode_amx_int8(int on) {
 #endif
 #define PLANES(FMT, a)                                                                       \
   if (a->head_dim % 64 == 0) {                                                               \
-    AMX(FMT, a)                                                                              \
     VNNI(FMT, a)                                                                             \
+    AMX(FMT, a)                                                                              \
     run_q8_bf16_##FMT##_planes(a); return;                                                   \
   }
 #else
@@ -2025,11 +1871,11 @@ int64_t paged_decode_amx_state_floats(void) { return AMX_STATE_FLOATS; }
 #else
 int64_t paged_decode_amx_state_floats(void) { return 0; }
 int paged_decode_amx(int on) { (void)on; return 0; }
-int paged_decode_amx_int8(int on) { (void)on; return 0; }
 #endif
-/* Whether int8 caches take the AVX512-VNNI kernel (where the build has it and the AMX
-   kernels do not run): paged_decode_vnni_int8(0) turns it off (the table kernels run), (1)
-   on; -1 only asks. On by default. */
+/* Whether int8 caches take the AVX512-VNNI kernel (where the build has it; before the AMX
+   kernels, which it outruns on an AMX Xeon: docs/BENCHMARKS.md, "The AVX512-VNNI int8
+   kernel before the AMX ones"): paged_decode_vnni_int8(0) turns it off (the AMX or table
+   kernels run), (1) on; -1 only asks. On by default. */
 int paged_decode_vnni_int8(int on) {
 #ifdef USE_Q8_VNNI
   if (on >= 0) vnni_int8_wanted = on;
@@ -2046,10 +1892,9 @@ int paged_decode_vnni_int8(int on) {
 /* Which inner loops this build has: bit 0 float32 AVX-512, bit 1 bfloat16 AVX512-BF16,
    bit 2 8-bit caches AVX-512, bit 3 AVX2 (for what the AVX-512 bits leave out), bit 4 the
    8-bit caches' AVX512-VBMI tables (bfloat16 queries, head_dim a multiple of 64), bit 5 their
-   AMX products (used where the OS grants the tiles: paged_decode_amx), bit 6 their integer
-   products for int8 values (AMX-INT8, up to 8 query heads per KV head; used where
-   paged_decode_amx_int8 turns them on), bit 7 the int8 caches' AVX512-VNNI kernel (where
-   the AMX ones do not run, unless paged_decode_vnni_int8 turns it off). */
+   AMX products (used where the OS grants the tiles: paged_decode_amx; bit 6 is no longer
+   set), bit 7 the int8 caches' AVX512-VNNI kernel (used before the AMX ones, unless
+   paged_decode_vnni_int8 turns it off). */
 int paged_decode_features(void) {
   int f = 0;
 #ifdef USE_AVX512
@@ -2069,9 +1914,6 @@ int paged_decode_features(void) {
 #endif
 #ifdef USE_Q8_AMX
   f |= 32;
-#endif
-#ifdef USE_Q8_AMX_INT8
-  f |= 64;
 #endif
 #ifdef USE_Q8_VNNI
   f |= 128;

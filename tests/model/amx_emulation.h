@@ -1,6 +1,6 @@
 /* The AMX tile instructions paged_decode.c uses, emulated in plain C, for
    tests/model/test_amx_emulated.py: put before the kernel's source and built with -mamx-tile
-   -mamx-bf16 -mamx-int8 (so that the source compiles its AMX kernels), no tile instruction
+   and -mamx-bf16 (so that the source compiles its AMX kernels), no tile instruction
    is emitted, and the AMX kernels' logic runs on a CPU without AMX (correctness only: each
    product is a scalar loop). The tile registers are per thread, on the heap; Linux's grant
    of them (arch_prctl) always succeeds. */
@@ -50,28 +50,14 @@ static inline void emu_dpbf16ps(int c, int a, int b) {
       memcpy(&emu.d[c][m][4 * n], &acc, 4);
     }
 }
-static inline void emu_dpbusd(int c, int a, int b) {
-  const int M = emu.rows[c], N = emu.colsb[c] / 4, K = emu.colsb[a] / 4;
-  for (int m = 0; m < M; m++)
-    for (int n = 0; n < N; n++) {
-      int32_t acc;
-      memcpy(&acc, &emu.d[c][m][4 * n], 4);
-      for (int k = 0; k < K; k++)
-        for (int i = 0; i < 4; i++)
-          acc += (int32_t)emu.d[a][m][4 * k + i] * (int32_t)(int8_t)emu.d[b][k][4 * n + i];
-      memcpy(&emu.d[c][m][4 * n], &acc, 4);
-    }
-}
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
-#undef _tile_dpbusd
 #define _tile_loadconfig(cfg) emu_loadconfig(cfg)
 #define _tile_release() ((void)0)
 #define _tile_loadd(t, base, stride) emu_loadd(t, base, stride)
 #define _tile_stored(t, base, stride) emu_stored(t, base, stride)
 #define _tile_zero(t) memset(emu.d[t], 0, sizeof emu.d[t])
 #define _tile_dpbf16ps(c, a, b) emu_dpbf16ps(c, a, b)
-#define _tile_dpbusd(c, a, b) emu_dpbusd(c, a, b)
 #define syscall(...) 0

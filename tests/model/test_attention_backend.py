@@ -223,8 +223,6 @@ def test_each_build_has_the_inner_loops_its_isa_allows(build):
     assert bool(features & 16) == ({"avx512f", "avx512_bf16", "avx512vbmi"} <= flags)
     assert bool(features & 32) == ({"avx512f", "avx512_bf16", "avx512vbmi", "amx_tile",
                                     "amx_bf16"} <= flags)
-    assert bool(features & 64) == ({"avx512f", "avx512_bf16", "avx512vbmi", "amx_tile",
-                                    "amx_bf16", "amx_int8"} <= flags)
     assert bool(features & 128) == ({"avx512f", "avx512_bf16", "avx512vbmi",
                                      "avx512_vnni"} <= flags)
     assert bool(features & 8) == ({"avx2", "fma", "f16c"} <= flags  # AVX2 loops for some

@@ -282,36 +282,6 @@ def amx():
     cpu_kernel.use_amx(True)
 
 
-@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size",
-                         [(64, 12, 4, 16), (128, 8, 8, 1), (256, 8, 2, 32), (64, 8, 1, 40),
-                          (128, 16, 2, 16), (64, 9, 1, 16)])  # 9 per KV head: bfloat16 values
-def test_amx_int8_values_match_the_reference(head_dim, num_heads, num_kv_heads, block_size,
-                                             amx):
-    """With AMX-INT8 (use_amx_int8_values), the weighted sum over an int8 cache under up to
-    8 query heads per KV head multiplies the codes as integers by weights in 16-bit fixed
-    point, each off by at most 1/131070 of its (block, head)'s largest. The weights of a
-    head sum to 1 over the context, so every output is the float64 reference's rounded to
-    bfloat16 up to 32 keys per block x 127 (the largest code) x the largest row scale /
-    131070, plus the float32 scores' and exp's error (the table kernels' bfloat16 weights
-    are off by up to 2^-9 of themselves). With 9 query heads per KV head the switch changes
-    nothing. Blocks of 1, 16, 32 and 40 keys, partial blocks."""
-    if not cpu_kernel.use_amx_int8_values(True):
-        pytest.skip("no AMX-INT8 in this build")
-    _, cache, outs, expected = int8_step_both_ways(
-        cpu_kernel.use_amx_int8_values, "AMX-INT8", False, head_dim, num_heads, num_kv_heads,
-        block_size)
-    if num_heads // num_kv_heads > 8:  # the switch changes nothing there
-        assert torch.equal(outs[0], outs[1])
-        return
-    out = outs[0]
-    row_scales = cache.value[..., head_dim:].contiguous().view(torch.bfloat16).double()
-    largest_value = kv_quant.dequantized_cache(cache)[1].abs().max().item()
-    bound = (32 * 127 * row_scales.max().item() / 131070
-             + 2 ** -16 * largest_value)  # the float32 scores and exp, far below that
-    half_ulp = 2.0 ** (torch.floor(torch.log2(expected.abs() + bound)) - 8)
-    assert ((out.double() - expected).abs() <= half_ulp + bound).all()
-
-
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
 @pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size",
                          [(64, 12, 4, 16), (128, 8, 8, 1), (256, 8, 2, 32), (64, 16, 1, 40),
@@ -353,7 +323,8 @@ def test_amx_kernels_keep_within_their_workspace(fmt_name, amx, monkeypatch):
     batch = [(0, 1), (40, 1), (99, 1)]
     q, k, v, cache, metadata, tables, seq_lens = quantized_step(
         batch, 16, torch.bfloat16, fmt_name, num_heads=12, num_kv_heads=4, head_dim=64, seed=3)
-    cpu_kernel.use_amx_int8_values(fmt_name == "int8")
+    vnni = cpu_kernel.use_vnni_int8()
+    cpu_kernel.use_vnni_int8(False)  # int8 too on the AMX kernel
     try:
         shared = quantized_backend.paged_attention(q, k, v, cache, metadata, 0.125, None)
         buffers = []
@@ -363,9 +334,10 @@ def test_amx_kernels_keep_within_their_workspace(fmt_name, amx, monkeypatch):
             return buffers[-1][1]
         monkeypatch.setattr(cpu_kernel._KERNEL, "scratch", exact)
         guarded = quantized_backend.paged_attention(q, k, v, cache, metadata, 0.125, None)
+        path = cpu_kernel.vector_paths()["8-bit"]
     finally:
-        cpu_kernel.use_amx_int8_values(False)
-    assert buffers and cpu_kernel.vector_paths()["8-bit"].startswith("AMX")
+        cpu_kernel.use_vnni_int8(vnni)
+    assert buffers and path == "AMX"
     for numel, buffer in buffers:
         assert (buffer[numel:] == 7.0).all()
     assert torch.equal(guarded, shared)
@@ -376,20 +348,18 @@ def test_amx_kernels_keep_within_their_workspace(fmt_name, amx, monkeypatch):
                           (64, 8, 1, 40, None), (128, 16, 2, 16, 7), (64, 17, 1, 16, None)])
 def test_vnni_int8_matches_the_reference(head_dim, num_heads, num_kv_heads, block_size,
                                          window):
-    """Where the build has AVX512-VNNI (and the AMX kernels do not run), bfloat16 decodes over
+    """Where the build has AVX512-VNNI (on AMX CPUs too), bfloat16 decodes over
     an int8 cache multiply the codes as integers (use_vnni_int8): the queries in 16-bit fixed
     point of their largest element (each off by at most max|q| / 65278, so each score by at
     most head_dim x max|k| x max|q| x scale / 65278 and each output by about twice that
     times max|v|), the weights times the rows' scales in 15-bit fixed point of their (block,
     head)'s largest (the outputs off by at most 32 keys x 127 x the largest row scale /
     65534). Within those bounds of the float64 reference rounded to bfloat16, no further
-    from it on average than the table kernels (bfloat16 weights, exact bfloat16 queries),
-    whose results the switch brings back. 1 to 17 query heads per KV head (in fours),
+    from it on average than the table or AMX kernels (bfloat16 weights, exact bfloat16
+    queries), whose results the switch brings back. 1 to 17 query heads per KV head (in fours),
     blocks of 1 to 40 keys, partial blocks, sliding windows."""
     if not cpu_kernel.available() or not cpu_kernel.use_vnni_int8():
         pytest.skip("no AVX512-VNNI int8 kernel in this build")
-    if cpu_kernel.use_amx():
-        pytest.skip("the AMX kernels take these steps here")
     q, cache, outs, expected = int8_step_both_ways(
         cpu_kernel.use_vnni_int8, "AVX512-VNNI", True, head_dim, num_heads, num_kv_heads,
         block_size, window)
@@ -406,10 +376,9 @@ def test_vnni_int8_matches_the_reference(head_dim, num_heads, num_kv_heads, bloc
     assert errors[0].mean() <= errors[1].mean()
 
 
-KERNEL_PATHS = {  # vector_paths()["8-bit"] under each: (AMX, AMX-INT8 values, VNNI int8)
-    "tables": (False, False, False), "vnni": (False, False, True),
-    "amx": (True, False, False), "amx_int8": (True, True, False),
-    "torch": (False, False, False)}  # chunked_attention, not the compiled kernel
+KERNEL_PATHS = {  # vector_paths()["8-bit"] under each: (AMX, VNNI int8)
+    "tables": (False, False), "vnni": (False, True), "amx": (True, False),
+    "amx_vnni": (True, True), "torch": (False, False)}  # torch: chunked_attention
 
 
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
@@ -422,15 +391,13 @@ def test_non_finite_queries_and_rows_reach_only_their_heads(dtype, path, fmt_nam
     to some finite value), and so does a NaN key or value row scale for the query heads over
     that KV head; every other head's output stays as it was bit for bit, also with NaN rows
     in block 0 (which the table padding names) and in a slot past a sequence's end."""
-    amx, amx_int8, vnni = KERNEL_PATHS[path]
+    amx, vnni = KERNEL_PATHS[path]
     if path == "torch":
         monkeypatch.setattr(cpu_kernel, "supports_quantized", lambda query, cache: False)
     elif not cpu_kernel.available():
         pytest.skip("no compiled CPU kernel")
     if amx and not cpu_kernel.use_amx(True):
         pytest.skip("no AMX products here")
-    if amx_int8 and not cpu_kernel.use_amx_int8_values(True):
-        pytest.skip("no AMX-INT8 values in this build")
     if vnni and not cpu_kernel.use_vnni_int8(True):
         pytest.skip("no AVX512-VNNI int8 kernel in this build")
     batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1)]
@@ -449,14 +416,12 @@ def test_non_finite_queries_and_rows_reach_only_their_heads(dtype, path, fmt_nam
     corrupt.value[tables[3][1], 3, 2, 64:] = nan  # past sequence 3's 17 tokens: unread
     try:
         cpu_kernel.use_amx(amx)
-        cpu_kernel.use_amx_int8_values(amx_int8)
         cpu_kernel.use_vnni_int8(vnni)
         clean = quantized_backend.paged_attention(q, k, v, cache, metadata, 64 ** -0.5, None)
         out = quantized_backend.paged_attention(bad, k, v, cache, metadata, 64 ** -0.5, None)
         rows = quantized_backend.paged_attention(q, k, v, corrupt, metadata, 64 ** -0.5, None)
     finally:
         cpu_kernel.use_amx(True)
-        cpu_kernel.use_amx_int8_values(False)
         cpu_kernel.use_vnni_int8(True)
     assert torch.isfinite(clean).all()
     hit = ~torch.isfinite(bad).all(dim=-1)
