@@ -107,6 +107,17 @@ def cpu_model() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor from /proc/cpuinfo ("AuthenticAMD", "GenuineIntel", ...; empty where
+    there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.partition(":")[2].strip() for ln in f
+                         if ln.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
 def status() -> dict[str, str]:
     """What happened to each kernel this process tried to build: ``built (...)`` or
     ``off: <why>``."""

@@ -63,9 +63,15 @@ LOOP_DOT_ROWS = 10
 # EPYC, one thread, SmolLM2's shapes: against torch's int4 kernel 0.94x its time at 8 rows
 # (1.0-1.05x at 1-4; the blocks 0.55-0.75x at 10-15), against torch's per-row int8 kernel
 # 0.5-0.85x from 4 rows; against the compiled loops (group-wise int8, two threads) 1.1-1.2x
-# their time at 1 row, level at 2, 0.85-0.95x at 4 and 0.57-0.9x at 8 (docs/BENCHMARKS.md)
-FEW_DOT_ROWS = 8
-FEW_LOOP_DOT_ROWS = 4
+# their time at 1 row, level at 2, 0.85-0.95x at 4 and 0.57-0.9x at 8 (docs/BENCHMARKS.md).
+# On AMD's cores only: on an Intel Xeon with AMX (family 6 model 167) the same kernel took
+# 1.1-1.5x the time of torch's int4 and int8 kernels at 8-9 rows and 1.05-1.7x that of the
+# compiled loops at 1-8 rows (one and two threads; SmolLM2 int4 at batch 8 ran 229-236
+# tok/s with it against 244-258 without), so there the products of fewer than 16 / 10 rows
+# keep the routes of before.
+FEW_ROWS_PAY = native.cpu_vendor() == "AuthenticAMD"
+FEW_DOT_ROWS = 8 if FEW_ROWS_PAY else DOT_ROWS
+FEW_LOOP_DOT_ROWS = 4 if FEW_ROWS_PAY else LOOP_DOT_ROWS
 _DOT_KINDS = {"int4": 0, "int8": 1, "int8_zero": 2}
 # the int4 panels have no GEMM path (their kernel was faster at 16-1024 rows, see
 # int4_panel_a8_matmul); a product of more rows runs in calls of this many
@@ -156,8 +162,9 @@ def describe() -> str:
     if _LIBRARY.features & 8:
         vnni += (f"; bfloat16 rows by AVX512-BF16 from {DOT_ROWS} rows "
                  f"({min(DOT_ROWS, LOOP_DOT_ROWS)} for the compiled loops' products; "
-                 f"{FEW_DOT_ROWS} and {FEW_LOOP_DOT_ROWS} for weights the few-rows kernel "
-                 f"takes)")
+                 + (f"{FEW_DOT_ROWS} and {FEW_LOOP_DOT_ROWS} for weights the few-rows "
+                    f"kernel takes)" if FEW_ROWS_PAY else "the few-rows kernel off: not an "
+                    "AMD CPU)"))
     if not preferred():
         return ("torch's weight-only kernels (AVX-512 CPU); compiled ones for group-wise "
                 f"int8{vnni}")
