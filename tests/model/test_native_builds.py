@@ -162,3 +162,22 @@ def test_generation_with_and_without_kernels(mode, model_and_expected, tmp_path)
     assert len(off_lines) == 1 and why in off_lines[0], done.stderr[-2000:]
     assert result["ops"] == [] and result["decode"].startswith("torch")
     assert all(state.startswith("off") for state in result["status"].values())
+
+
+def test_cpu_vendor_is_read_from_cpuinfo(tmp_path, monkeypatch):
+    """native.cpu_vendor (which picks the few-rows kernel's thresholds in quant_matmul): the
+    vendor_id line of /proc/cpuinfo, empty where there is no such file."""
+    import builtins
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+                    "processor\t: 1\nvendor_id\t: AuthenticAMD\n")
+    monkeypatch.setattr(native, "open", lambda path, *a, **k: builtins.open(info, *a, **k),
+                        raising=False)
+    assert native.cpu_vendor() == "AuthenticAMD"
+
+    def missing(*args, **kwargs):
+        raise OSError("no /proc/cpuinfo")
+    monkeypatch.setattr(native, "open", missing, raising=False)
+    assert native.cpu_vendor() == ""
+    monkeypatch.undo()
+    assert quant_matmul.FEW_ROWS_PAY == (native.cpu_vendor() == "AuthenticAMD")
