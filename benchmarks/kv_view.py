@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import sys
@@ -24,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagellm import SamplingParams
+from pagellm import SamplingParams, native
 from pagellm.bench.random_model import build_random_model
 from pagellm.core.async_engine import KV_VIEW_MAX_AGE_S
 from pagellm.core.engine import LLMEngine
@@ -35,13 +34,6 @@ def ms(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     return {"median_ms": round(ordered[len(ordered) // 2] * 1e3, 3),
             "p90_ms": round(ordered[int(len(ordered) * 0.9)] * 1e3, 3)}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "json_bytes": len(body), "max_views_per_s": per_second,
         "engine_time_share_at_max_rate": round(view_s * per_second, 5),
         "view_over_step": round(view_s / statistics.median(steps), 4),
-        "machine": {"cpu": cpu_model(), "python": sys.version.split()[0],
+        "machine": {"cpu": native.cpu_model(), "python": sys.version.split()[0],
                     "torch_threads": torch.get_num_threads()},
     }, indent=2))
     return 0

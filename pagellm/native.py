@@ -87,35 +87,33 @@ def cpu_runs(level: str) -> bool:
     return ISA_LEVELS[level][1] <= cpu_flags()
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+def _cpuinfo_field(*names: str) -> str | None:
+    """The value of the first /proc/cpuinfo line that starts with one of ``names`` ("" where
+    none does; None where there is no such file)."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+            return next((ln.partition(":")[2].strip() for ln in f if ln.startswith(names)), "")
     except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+        return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return frozenset((_cpuinfo_field("flags", "Features") or "").split())
 
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.partition(":")[2].strip() for ln in f
-                         if ln.startswith("model name")), "") or platform.processor()
-    except OSError:
+    model = _cpuinfo_field("model name")
+    if model is None:
         return platform.processor() or platform.machine()
+    return model or platform.processor()
 
 
 def cpu_vendor() -> str:
     """The CPU's vendor from /proc/cpuinfo ("AuthenticAMD", "GenuineIntel", ...; empty where
     there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.partition(":")[2].strip() for ln in f
-                         if ln.startswith("vendor_id")), "")
-    except OSError:
-        return ""
+    return _cpuinfo_field("vendor_id") or ""
 
 
 def status() -> dict[str, str]:
