@@ -58,17 +58,11 @@ DOT_ROWS = 16
 # threads; with one 0.83-1.3x, 1.0-1.5x, 1.05-1.65x, 1.2-1.95x)
 LOOP_DOT_ROWS = 10
 # Below 10 rows the AVX512-BF16 build has a few-rows kernel (dot_few: K % 32 == 0, groups of
-# 16, 32, a multiple of 64 or K; from 10 rows its blocks of 16, which cost about the same at
-# 10 rows as at 16), with which the products run from these counts instead: the same Zen 4
-# EPYC, one thread, SmolLM2's shapes: against torch's int4 kernel 0.94x its time at 8 rows
-# (1.0-1.05x at 1-4; the blocks 0.55-0.75x at 10-15), against torch's per-row int8 kernel
-# 0.5-0.85x from 4 rows; against the compiled loops (group-wise int8, two threads) 1.1-1.2x
-# their time at 1 row, level at 2, 0.85-0.95x at 4 and 0.57-0.9x at 8 (docs/BENCHMARKS.md).
-# On AMD's cores only: on an Intel Xeon with AMX (family 6 model 167) the same kernel took
-# 1.1-1.5x the time of torch's int4 and int8 kernels at 8-9 rows and 1.05-1.7x that of the
-# compiled loops at 1-8 rows (one and two threads; SmolLM2 int4 at batch 8 ran 229-236
-# tok/s with it against 244-258 without), so there the products of fewer than 16 / 10 rows
-# keep the routes of before.
+# 16, 32, a multiple of 64 or K; blocks of 16 from 10 rows), with which the products run from
+# these counts instead. On a Zen 4 EPYC it took 0.94x torch's int4 time at 8 rows, 0.5-0.85x
+# torch's per-row int8 time from 4, and 0.85-0.95x the compiled loops' at 4 (two threads; they
+# win at 1 row). On an Intel Xeon with AMX it was slower than both at every count (1.1-1.5x
+# torch's, 1.05-1.7x the loops'), so there the routes of before stay (docs/BENCHMARKS.md).
 FEW_ROWS_PAY = native.cpu_vendor() == "AuthenticAMD"
 FEW_DOT_ROWS = 8 if FEW_ROWS_PAY else DOT_ROWS
 FEW_LOOP_DOT_ROWS = 4 if FEW_ROWS_PAY else LOOP_DOT_ROWS
