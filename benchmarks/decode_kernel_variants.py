@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/decode_kernel_variants.py --sources /tmp/a.c,/tmp/b.c --threads 1
     .venv/bin/python benchmarks/decode_kernel_variants.py --kv-dtypes auto,int8,fp8,fp8_e5m2
     .venv/bin/python benchmarks/decode_kernel_variants.py --no-amx   # AMX CPUs: without AMX
+    .venv/bin/python benchmarks/decode_kernel_variants.py --no-near-prefetch   # with and without
 
 For work on pagellm/attention/paged_decode.c: this machine's timings drift by 10-40% from one
 minute to the next, more than most changes to the kernel move them, so two builds are only
@@ -18,9 +19,9 @@ bit for bit (reported, not asserted: a variant may reorder sums on purpose).
 Workload (seed 0): the "small" Llama's decode attention (12 query heads over 4 KV heads,
 head_dim 64, blocks of 16 tokens unless --block-size says otherwise, bfloat16 queries,
 shuffled physical blocks): 4 x 256 over one layer's cache (1 MB of bfloat16 K/V, resident in
-a 2 MB L2: what the loops cost), 16 x 512 over one layer's cache (resident in L3), and 64 x 512
-and 128 x 512 over 12 layers' caches of their own (read from
-memory, as a model step reads them).
+a 2 MB L2: what the loops cost), 16 x 512 over one layer's cache (resident in L3), and 4 x 256,
+16 x 512, 64 x 512 and 128 x 512 over 12 layers' caches of their own (the layers in turn, as a
+model step reads them).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from pagellm.bench.throughput import machine_info
 from quantization import BLOCK, HEAD_DIM, HEADS, KV_HEADS, decode_workload
 
 SHAPES = {"4x256-l2": (4, 256, 1, 320), "16x512-l3": (16, 512, 1, 40),
+          "4x256": (4, 256, 12, 27), "16x512": (16, 512, 12, 4),
           "64x512": (64, 512, 12, 2), "128x512": (128, 512, 12, 1)}
 # name: (sequences, context, layers, calls per round)
 KERNEL_SOURCE = "pagellm/attention/paged_decode.c"
@@ -115,6 +117,8 @@ def main() -> None:
                         help="also the package's source with cpu_kernel.use_amx off (the "
                              "table kernels for fp8, and for int8 where use_vnni_int8 is off; "
                              "a CPU with AMX only)")
+    parser.add_argument("--no-near-prefetch", action="store_true",
+                        help="also the package's source with cpu_kernel.use_near_prefetch off")
     args = parser.parse_args()
     if args.block_size < 1:
         parser.error(f"--block-size must be at least 1, got {args.block_size}")
@@ -142,16 +146,21 @@ def main() -> None:
     for source in filter(None, args.sources.split(",")):
         names.append(source)
         sources.append(Path(source))
-    if args.no_amx:  # a copy of the source: its own library, its own switch
-        path = scratch / f"paged_decode_{len(sources)}.c"
-        path.write_text(Path(cpu_kernel._SOURCE).read_text() + "/* no AMX */\n")
-        names.append("paged_decode.c, AMX off")
-        sources.append(path)
+    switched = {}  # index of a copy of the package's source -> the switch it turns off
+    for wanted, switch, label in ((args.no_amx, "use_amx", "AMX off"),
+                                  (args.no_near_prefetch, "use_near_prefetch",
+                                   "near prefetch off")):
+        if wanted:  # a copy of the source: its own library, its own switch
+            path = scratch / f"paged_decode_{len(sources)}.c"
+            path.write_text(Path(cpu_kernel._SOURCE).read_text() + f"/* {label} */\n")
+            switched[len(sources)] = switch
+            names.append(f"paged_decode.c, {label}")
+            sources.append(path)
     kernels = [load_kernel(i, source) for i, source in enumerate(sources)]
-    if args.no_amx:
-        if not kernels[-1].use_amx():
-            sys.exit("--no-amx: the AMX kernels do not run on this CPU or build")
-        kernels[-1].use_amx(False)
+    for index, switch in switched.items():
+        if not getattr(kernels[index], switch)():
+            sys.exit(f"{names[index]}: {switch} is already off on this CPU or build")
+        getattr(kernels[index], switch)(False)
     runs = [run for shape in shapes
             for run in measure(kernels, names, kv_dtypes, SHAPES[shape], args.iters,
                                args.block_size)]

@@ -222,22 +222,34 @@ DEFINE_PORTABLE_VALUE(value_bf16_portable, bf16_t, bf16_t, load_bf16, load_bf16)
    L1); prefetch_flush, after each head's work, issues what they left. The portable and AVX2
    loops take no steps, so they issue each share as one burst after the head's work: steps in
    the AVX2 loops made them slower on the same Xeon built without AVX-512 (8-bit from memory
-   1.1-1.2x, all dtypes with the K/V in L2 1.4x). One cursor per thread. */
-typedef struct { const char* next; const char* end; } prefetch_cursor;
+   1.1-1.2x, all dtypes with the K/V in L2 1.4x). One cursor per thread.
+   The cursor's second range (prefetch_near, the 8-bit AVX-512 kernels on Intel CPUs: see
+   "near prefetch" in the kernel) is brought into L1 (prefetcht0), a line at each step
+   beside the first range's. */
+typedef struct { const char *next, *end, *near, *near_end; } prefetch_cursor;
 static __thread prefetch_cursor prefetch_at __attribute__((tls_model("initial-exec")));
 INLINE void prefetch_step(void) {
   if (prefetch_at.next < prefetch_at.end) {
     __builtin_prefetch(prefetch_at.next, 0, 1); /* prefetcht2 ("the kernel" says why) */
     prefetch_at.next += 64;
   }
+  if (prefetch_at.near < prefetch_at.near_end) {
+    __builtin_prefetch(prefetch_at.near, 0, 3); /* prefetcht0 */
+    prefetch_at.near += 64;
+  }
 }
 INLINE void prefetch_flush(void) {
-  while (prefetch_at.next < prefetch_at.end) prefetch_step();
+  while (prefetch_at.next < prefetch_at.end || prefetch_at.near < prefetch_at.near_end)
+    prefetch_step();
 }
 INLINE void prefetch_start(const char* from, int64_t bytes) {
-  prefetch_flush();
+  while (prefetch_at.next < prefetch_at.end) prefetch_step();
   prefetch_at.next = from;
   prefetch_at.end = from + bytes;
+}
+INLINE void prefetch_near(const char* from, int64_t bytes) {
+  prefetch_at.near = from;
+  prefetch_at.near_end = from + bytes;
 }
 /* The steps of a row of D elements of T read by one loop iteration: one per 64 bytes. */
 #define PREFETCH_STEPS(D, T)                                                                 \
@@ -1198,13 +1210,25 @@ DEFINE_VALUE_PLANES(value_e5m2_planes, 2)
 /* One thread's part, as DEFINE_KERNEL's, over 8-bit rows of R = D + 2 bytes, KEYS rows of a
    (block, KV head) at a time: SCORE_ROWS in pass 1 and VALUE_ROWS in pass 2 over the rows for
    the G query heads of the KV head (first row r0 of the workspace). PHASE(a, k, D, G) runs in
-   each thread before (k = 0, 2) and after (k = 1, 3) its share of pass 1 and pass 2. */
-#define DEFINE_Q8_KERNEL(NAME, QT, KEYS, PHASE, SCORE_ROWS, VALUE_ROWS)                      \
+   each thread before (k = 0, 2) and after (k = 1, 3) its share of pass 1 and pass 2.
+   NEAR (1 or 0): the near prefetch, where paged_decode_near_prefetch turns it on. While a
+   (pair, KV head) is worked, its share of the next pair's block is brought into L1
+   (prefetcht0) through the cursor's second range, on top of the far prefetch into L2 of
+   the block PREFETCH_AHEAD pairs ahead: by the end of a pair the next one's block is in L1.
+   Measured on an AMX Xeon (docs/BENCHMARKS.md, "The near prefetch"), the K/V read from
+   memory as a model step reads them: int8 (AVX512-VNNI) 6-9% faster per key, fp8 (AMX)
+   3-6%; with the K/V in L2 or L3, within 2%; bfloat16 gains nothing from it. Only the VNNI
+   and AMX kernels (those measured) take it. */
+#ifdef PART_Q8
+static int near_prefetch_wanted = 0;
+#endif
+#define DEFINE_Q8_KERNEL(NAME, QT, KEYS, PHASE, SCORE_ROWS, VALUE_ROWS, NEAR)                \
 INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
   const int64_t KVH = a->num_kv_heads, H = a->num_heads;                                     \
   const int64_t bs = a->block_size, rf = row_floats(a), R = D + 2;                           \
   const int64_t block_bytes = bs * KVH * R;                                                  \
   const int sliced = bs > SLICE_KEYS; /* else the block is one slice */                      \
+  const int near = (NEAR) && near_prefetch_wanted;                                           \
   float* rows = a->workspace;                                                                \
   {                                                                                          \
     const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
@@ -1223,6 +1247,9 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
             if (!sliced) prefetch_keys(ahead, block_bytes, h, KVH, bs, 0, bs);               \
             prefetch_rows(a, p + PREFETCH_AHEAD, h, G, pass, 0, t);                          \
           }                                                                                  \
+          if (near && p + 1 < pe) /* the next pair's block into L1, a share per KV head */   \
+            prefetch_near((const char*)(cache + a->pair_phys[p + 1] * block_bytes)          \
+                          + h * bs * R, bs * R);                                             \
           const int64_t r0 = s * H + h * G;                                                  \
           for (int64_t j = 0; j < bs; j += SLICE_KEYS) { /* one slice unless sliced */       \
             const int64_t k0s = sliced && j > lo ? j : lo;                                   \
@@ -1282,7 +1309,7 @@ static void NAME(const decode_args* a) {                                        
 #define Q8_INSTANCE(NAME, QT, TT, DEQUANT, OPS)                                              \
   DEFINE_TILE_ROWS(NAME, QT, TT, DEQUANT, score_tile_##OPS, value_tile_##OPS)                \
   DEFINE_Q8_KERNEL(kernel_##NAME, QT, TILE_KEYS, no_phase, score_rows_##NAME,                 \
-                   value_rows_##NAME)                                                        \
+                   value_rows_##NAME, 0)                                                     \
   DISPATCH_Q8(run_##NAME, kernel_##NAME)
 #ifdef PART_Q8
 typedef bf16_t bf16;
@@ -1313,7 +1340,7 @@ Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
   DEFINE_TILE_ROWS(q8_bf16_##FMT##_planes, bf16, bf16_t, dequant_##FMT##_planes,             \
                    score_tile_bf16, value_tile_bf16)                                         \
   DEFINE_Q8_KERNEL(kernel_q8_bf16_##FMT##_planes, bf16, TILE_KEYS, no_phase,                  \
-                   score_rows_q8_bf16_##FMT##_planes, value_rows_value_##FMT##_planes)       \
+                   score_rows_q8_bf16_##FMT##_planes, value_rows_value_##FMT##_planes, 0)    \
   DISPATCH_Q8(run_q8_bf16_##FMT##_planes, kernel_q8_bf16_##FMT##_planes)
 Q8_PLANES_INSTANCE(int8)
 Q8_PLANES_INSTANCE(e4m3)
@@ -1548,7 +1575,7 @@ INLINE void value_rows_int8_vnni(const decode_args* a, const uint8_t* v, int64_t
   }
 }
 DEFINE_Q8_KERNEL(kernel_q8_bf16_int8_vnni, bf16, TILE_KEYS, vnni_queries, score_rows_int8_vnni,
-                 value_rows_int8_vnni)
+                 value_rows_int8_vnni, 1)
 DISPATCH_Q8(run_q8_bf16_int8_vnni, kernel_q8_bf16_int8_vnni)
 static int vnni_int8_wanted = 1;
 #endif
@@ -1753,7 +1780,7 @@ INLINE void value_rows_amx_##FMT(const decode_args* a, const uint8_t* v, int64_t
   st->next = 1 - b;                                                                          \
 }                                                                                            \
 DEFINE_Q8_KERNEL(kernel_q8_bf16_##FMT##_amx, bf16, TILE_KEYS, amx_phase,                         \
-                 score_rows_amx_##FMT, value_rows_amx_##FMT)                                 \
+                 score_rows_amx_##FMT, value_rows_amx_##FMT, 1)                              \
 DISPATCH_Q8(run_q8_bf16_##FMT##_amx, kernel_q8_bf16_##FMT##_amx)
 DEFINE_AMX_ROWS(int8, 0)
 DEFINE_AMX_ROWS(e4m3, 1)
@@ -1827,7 +1854,7 @@ INLINE void value_rows_##QT##_##FMT##_avx2(const decode_args* a, const uint8_t* 
   value_##FMT##_avx2(w, rf, v, vs, n, acc, D, G);                                            \
 }                                                                                            \
 DEFINE_Q8_KERNEL(kernel_q8_##QT##_##FMT##_avx2, QT, TILE_KEYS, no_phase,                      \
-                 score_rows_##QT##_##FMT##_avx2, value_rows_##QT##_##FMT##_avx2)             \
+                 score_rows_##QT##_##FMT##_avx2, value_rows_##QT##_##FMT##_avx2, 0)          \
 DISPATCH_Q8(run_q8_##QT##_##FMT##_avx2, kernel_q8_##QT##_##FMT##_avx2)
 Q8_AVX2_FORMAT(int8, rs_8bit)
 Q8_AVX2_FORMAT(e4m3, rs_e4m3)
@@ -1884,6 +1911,13 @@ int paged_decode_vnni_int8(int on) {
   (void)on;
   return 0;
 #endif
+}
+/* Whether the kernels that have it take the near prefetch (DEFINE_Q8_KERNEL): (1) on, (0)
+   off, -1 only asks. Off until turned on (cpu_kernel.py turns it on for Intel CPUs). The
+   prefetches change no result. */
+int paged_decode_near_prefetch(int on) {
+  if (on >= 0) near_prefetch_wanted = on;
+  return near_prefetch_wanted;
 }
 
 #endif

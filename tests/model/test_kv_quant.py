@@ -12,6 +12,7 @@ import torch
 from attention_steps import MIXED_BATCH, make_step, store_rows
 from kernel_builds import KERNEL_BUILDS, kernel_build
 
+from pagellm import native
 from pagellm.attention import cpu_kernel, kv_quant, quantized_backend
 from pagellm.attention.kv_quant import FORMATS, QuantizedKVCache
 from pagellm.attention.torch_backend import reference_paged_attention
@@ -374,6 +375,57 @@ def test_vnni_int8_matches_the_reference(head_dim, num_heads, num_kv_heads, bloc
     errors = [(out.double() - expected).abs() for out in outs]
     assert (errors[0] <= half_ulp + bound).all()
     assert errors[0].mean() <= errors[1].mean()
+
+
+def test_near_prefetch_is_on_by_default_on_intel_cpus_only():
+    """cpu_kernel.use_near_prefetch: on where /proc/cpuinfo names an Intel CPU (where it was
+    measured to pay), off elsewhere, in every build that has the switch."""
+    if not cpu_kernel.available():
+        pytest.skip("no compiled CPU kernel")
+    assert cpu_kernel.use_near_prefetch() == (native.cpu_vendor() == "GenuineIntel")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
+@pytest.mark.parametrize("path", ["tables", "vnni", "amx"])
+@pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, block_size",
+                         [(64, 12, 4, 16), (128, 8, 2, 1), (64, 8, 1, 40)])
+def test_near_prefetch_changes_no_result(path, fmt_name, threads, head_dim, num_heads,
+                                         num_kv_heads, block_size):
+    """The near prefetch (the next pair's block into L1, use_near_prefetch) moves no bit of
+    any 8-bit kernel's output: on and off give the same bytes, with one thread and two
+    (each thread's last pair has no next one), blocks of 1, 16 and 40 keys (worked in
+    slices), on the table, AVX512-VNNI and AMX kernels where they run."""
+    if not cpu_kernel.available():
+        pytest.skip("no compiled CPU kernel")
+    if path == "amx" and not cpu_kernel.use_amx(True):
+        pytest.skip("no AMX products here")
+    if path == "vnni" and (fmt_name != "int8" or not cpu_kernel.use_vnni_int8(True)):
+        pytest.skip("the AVX512-VNNI kernel: int8 caches, where the build has it")
+    batch = [(0, 1), (4, 1), (15, 1), (16, 1), (40, 1), (99, 1), (33, 1)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+        batch, block_size, torch.bfloat16, fmt_name, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, seed=block_size)
+    near, amx, vnni = (cpu_kernel.use_near_prefetch(), cpu_kernel.use_amx(),
+                       cpu_kernel.use_vnni_int8())
+    outs, previous = [], torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        cpu_kernel.use_amx(path == "amx")
+        cpu_kernel.use_vnni_int8(path == "vnni")
+        for on in (True, False, True):  # the first call stores the step's rows, later ones again
+            cpu_kernel.use_near_prefetch(on)
+            outs.append(quantized_backend.paged_attention(q, k, v, cache, metadata,
+                                                          head_dim ** -0.5, None))
+    finally:
+        torch.set_num_threads(previous)
+        cpu_kernel.use_near_prefetch(near)
+        cpu_kernel.use_amx(amx)
+        cpu_kernel.use_vnni_int8(vnni)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    expected = reference(q, cache, batch, seq_lens, tables, head_dim ** -0.5, None)
+    torch.testing.assert_close(outs[0].double(), expected, atol=2e-2, rtol=2e-2)
 
 
 KERNEL_PATHS = {  # vector_paths()["8-bit"] under each: (AMX, VNNI int8)
