@@ -49,7 +49,7 @@ def test_another_block_size(monkeypatch):
 @pytest.mark.parametrize("args, message", [
     (["--kv-dtypes", "auto,int4"], "kv_cache_dtype='int4' is not supported"),
     (["--shapes", "8x8"],
-     "unknown --shapes ['8x8']; choices: 4x256-l2, 16x512-l3, 64x512, 128x512"),
+     "unknown --shapes ['8x8']; choices: 4x256-l2, 16x512-l3, 4x256, 16x512, 64x512, 128x512"),
     (["--block-size", "0"], "--block-size must be at least 1, got 0"),
 ])
 def test_bad_arguments_are_usage_errors(args, message):
