@@ -154,12 +154,16 @@ def build_and_load(source: Path, flags: list[str], what: str,
 
 class PreparedCall:
     """One kernel call with its arguments built once (a ctypes Structure passed by
-    reference): ``call()`` runs it. Fields that change between calls are set on ``args``."""
+    reference): ``call()`` runs it. Fields that change between calls are set on ``args``.
+    ``keep``: the tensors ``args`` points into, alive as long as the call (``step``, the same
+    for the fields set between calls), so that a pointer never outlives its buffer (a grown
+    workspace, an output the caller dropped)."""
 
-    __slots__ = ("function", "args", "pointer")
+    __slots__ = ("function", "args", "pointer", "keep", "step")
 
-    def __init__(self, function: Any, args: ctypes.Structure) -> None:
+    def __init__(self, function: Any, args: ctypes.Structure, keep: tuple = ()) -> None:
         self.function, self.args, self.pointer = function, args, ctypes.byref(args)
+        self.keep, self.step = keep, ()
 
     def __call__(self) -> None:
         self.function(self.pointer)

@@ -203,7 +203,8 @@ def prepared_decode_attention(query: torch.Tensor, k_cache: torch.Tensor,
         torch.get_num_threads(), 0 if new_k is None else new_k.stride(0), scale)
     library = _KERNEL.load()
     return native.PreparedCall(getattr(library, "paged_decode_attention_"
-                                       + _SUFFIX[query.dtype]), args)
+                                       + _SUFFIX[query.dtype]), args,
+                               (query, k_cache, v_cache, out, new_k, new_v))
 
 
 def set_step(call: native.PreparedCall, pairs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -218,6 +219,7 @@ def set_step(call: native.PreparedCall, pairs: tuple[torch.Tensor, torch.Tensor,
     args.seq_lens, args.new_slots, args.max_seq_len = (seq_lens.data_ptr(), _pointer(slots),
                                                        max_seq_len)
     args.workspace = workspace.data_ptr()
+    call.step = (pairs, seq_lens, slots, workspace)
 
 
 def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int
@@ -285,7 +287,8 @@ def prepared_decode_attention_quantized(query: torch.Tensor, cache: QuantizedKVC
     decoding = {"int8": "int8", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}[cache.format.name]
     library = _KERNEL.load()
     return native.PreparedCall(getattr(
-        library, f"paged_decode_attention_q8_{_SUFFIX[query.dtype]}_{decoding}"), args)
+        library, f"paged_decode_attention_q8_{_SUFFIX[query.dtype]}_{decoding}"), args,
+        (query, cache.key, cache.value, out, _lut(cache.format)))
 
 
 class _StoreArgs(ctypes.Structure):
@@ -338,7 +341,8 @@ def _store_call(key: torch.Tensor, value: torch.Tensor, cache: QuantizedKVCache
     args = _StoreArgs(key.data_ptr(), value.data_ptr(), None, cache.key.data_ptr(),
                       cache.value.data_ptr(), key.stride(0), num_tokens, num_kv_heads,
                       head_dim, key.dtype == torch.bfloat16, _STORE_FORMATS[cache.format.name])
-    return native.PreparedCall(_KERNEL.load().paged_store_q8, args)
+    return native.PreparedCall(_KERNEL.load().paged_store_q8, args,
+                               (key, value, cache.key, cache.value))
 
 
 _LUTS: dict[str, torch.Tensor] = {}

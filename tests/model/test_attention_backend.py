@@ -7,12 +7,15 @@ prefix-cache hit, and single-token decodes of different context lengths.
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from attention_steps import make_step as make_attention_step
 
 from pagellm import native
-from pagellm.attention import AttentionMetadata, cpu_kernel
+from pagellm.attention import AttentionMetadata, cpu_kernel, kv_quant
 from pagellm.attention.torch_backend import paged_attention, reference_paged_attention
 from kernel_builds import KERNEL_BUILDS, kernel_build
 
@@ -175,6 +178,44 @@ def test_decode_kv_from_strided_projections(decode_path):
     expected = reference_paged_attention(q, k_cache, v_cache, [1] * len(seq_lens), seq_lens,
                                          tables, HEAD_DIM ** -0.5)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_prepared_calls_keep_their_buffers_alive():
+    """A prepared decode call holds the tensors its pointers point into (native.PreparedCall
+    keep / step): its output and the step's workspace outlive the caller's references and a
+    growth of the kernel's shared scratch past them, and the call still stores the step's
+    K/V and writes the reference's output there; the 8-bit caches' call holds its output
+    too."""
+    if not cpu_kernel.available():
+        pytest.skip("no compiled CPU kernel")
+    q, k, v, k_cache, v_cache, metadata, tables, seq_lens = make_step(MIXED_BATCH[4:], 16,
+                                                                       torch.float32)
+    decode = metadata.decode
+    out = torch.empty_like(q)
+    call = cpu_kernel.prepared_decode_attention(q, k_cache, v_cache, out, k, v,
+                                                HEAD_DIM ** -0.5, None)
+    workspace = cpu_kernel.decode_workspace(len(seq_lens), NUM_HEADS, HEAD_DIM,
+                                            decode.max_seq_len)
+    cpu_kernel.set_step(call, decode.block_pairs(), decode.seq_lens, decode.max_seq_len,
+                        metadata.slot_mapping.contiguous(), workspace)
+    alive = [weakref.ref(x) for x in (out, workspace)]
+    del out, workspace
+    cpu_kernel._KERNEL.scratch(cpu_kernel._KERNEL.workspace.numel() + 1)  # a new buffer
+    gc.collect()
+    assert all(ref() is not None for ref in alive)
+    call()
+    expected = reference_paged_attention(q, k_cache, v_cache, [1] * len(seq_lens), seq_lens,
+                                         tables, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(alive[0](), expected, atol=1e-5, rtol=1e-4)
+    fmt = kv_quant.FORMATS["int8"]
+    cache = kv_quant.QuantizedKVCache(kv_quant.quantize(k_cache, fmt),
+                                      kv_quant.quantize(v_cache, fmt), fmt)
+    out = torch.empty_like(q)
+    call = cpu_kernel.prepared_decode_attention_quantized(q, cache, out, 1.0, None)
+    alive = weakref.ref(out)
+    del out
+    gc.collect()
+    assert alive() is not None
 
 
 def test_padding_slots_are_not_written(decode_path):
