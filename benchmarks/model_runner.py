@@ -5,10 +5,12 @@
     .venv/bin/python benchmarks/model_runner.py --torch-decode   # without the CPU kernel
     .venv/bin/python benchmarks/model_runner.py --unpacked       # plain F.linear weights
     .venv/bin/python benchmarks/model_runner.py --profile        # + torch profiler top ops
+    .venv/bin/python benchmarks/model_runner.py --kv-cache-dtype int8   # an 8-bit KV cache
 
 Workload (fixed seed, random weights std 0.02, nothing downloaded): decode steps of 1, 8, 32,
 64 and 128 sequences, each at 512 tokens of context (511 cached + 1 new), and one 512-token
-prefill. Block tables are shuffled physical blocks, as after allocator churn.
+prefill. Block tables are shuffled physical blocks, as after allocator churn. The KV cache is
+of the model dtype, or 8-bit with --kv-cache-dtype (int8, fp8 / fp8_e4m3, fp8_e5m2).
 
 For every shape it reports:
 - ``step_ms``: median wall time of ``ModelRunner.execute`` (input building included);
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -36,7 +37,9 @@ import torch
 from transformers import LlamaConfig
 
 import pagellm.attention.layer as attention_layer
-from pagellm.attention import cpu_kernel
+from pagellm.attention import cpu_kernel, kv_quant, quantized_backend
+from pagellm.bench.throughput import machine_info
+from pagellm.config import KV_CACHE_DTYPES
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.worker.cache_engine import CacheEngine
 from pagellm.worker.model_runner import ModelRunner, ScheduledSeq
@@ -95,17 +98,22 @@ def median_ms(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
 
 
 def attention_ms(runner: ModelRunner, batch: list[ScheduledSeq], iters: int) -> float:
-    """Median per-step time spent inside the attention backend (all layers)."""
-    original = attention_layer.paged_attention
+    """Median per-step time spent inside the attention backend (all layers; the 8-bit
+    caches' backend where the cache is one)."""
+    originals = {module: module.paged_attention
+                 for module in (attention_layer, quantized_backend)}
     spent = [0.0]
 
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = original(*args, **kwargs)
-        spent[0] += time.perf_counter() - start
-        return out
+    def timer(original):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = original(*args, **kwargs)
+            spent[0] += time.perf_counter() - start
+            return out
+        return timed
 
-    attention_layer.paged_attention = timed
+    for module, original in originals.items():
+        module.paged_attention = timer(original)
     try:
         runner.execute(batch)
         per_step = []
@@ -114,7 +122,8 @@ def attention_ms(runner: ModelRunner, batch: list[ScheduledSeq], iters: int) -> 
             runner.execute(batch)
             per_step.append(spent[0])
     finally:
-        attention_layer.paged_attention = original
+        for module, original in originals.items():
+            module.paged_attention = original
     return statistics.median(per_step) * 1e3
 
 
@@ -161,22 +170,26 @@ def measure(runner: ModelRunner, model: LlamaForCausalLM, batch: list[ScheduledS
 
 
 def run(dtype_name: str, batch_sizes: list[int], context: int, prefill: int,
-        iters: int, pack: bool, profile: bool = False) -> list[dict]:
+        iters: int, pack: bool, profile: bool = False, kv_cache_dtype: str = "auto"
+        ) -> list[dict]:
     dtype = getattr(torch, dtype_name)
     model, config = build_model(dtype, pack=pack)
     num_blocks = max(batch_sizes) * -(-context // BLOCK_SIZE) + 64
-    cache = CacheEngine(config, num_blocks, 0, BLOCK_SIZE, dtype, "cpu")
+    cache = CacheEngine(config, num_blocks, 0, BLOCK_SIZE, dtype, "cpu",
+                        kv_quant.kv_format(kv_cache_dtype))
     runner = ModelRunner(model, cache, "cpu")
     results = []
     for num_seqs in batch_sizes:
         batch = decode_batch(num_seqs, context, num_blocks, seed=num_seqs)
         runner.execute([ScheduledSeq(s.token_ids, 0, context, s.block_table, False)
                         for s in batch])  # fill the caches with real K/V
-        results.append({"dtype": dtype_name, "kind": "decode", "num_seqs": num_seqs,
+        results.append({"dtype": dtype_name, "kv_cache_dtype": kv_cache_dtype,
+                        "kind": "decode", "num_seqs": num_seqs,
                         "context": context, **measure(runner, model, batch, iters, profile)})
     if prefill:
         batch = prefill_batch(prefill, num_blocks, seed=1)
-        results.append({"dtype": dtype_name, "kind": "prefill", "num_seqs": 1,
+        results.append({"dtype": dtype_name, "kv_cache_dtype": kv_cache_dtype,
+                        "kind": "prefill", "num_seqs": 1,
                         "context": prefill,
                         **measure(runner, model, batch, max(3, iters // 2), profile)})
     return results
@@ -196,6 +209,8 @@ def main() -> None:
                         help="add the torch profiler's largest ops for every shape")
     parser.add_argument("--unpacked", action="store_true",
                         help="plain F.linear weights, not packed for oneDNN")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the KV cache's dtype (default auto: the model dtype)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.torch_decode:
@@ -203,14 +218,14 @@ def main() -> None:
     results = []
     for dtype_name in args.dtypes.split(","):
         results += run(dtype_name, [int(b) for b in args.batch_sizes.split(",")], args.context,
-                       args.prefill, args.iters, not args.unpacked, args.profile)
+                       args.prefill, args.iters, not args.unpacked, args.profile,
+                       args.kv_cache_dtype)
     print(json.dumps({"model": "small Llama (random weights)", **SMALL_LLAMA,
                       "block_size": BLOCK_SIZE, "threads": args.threads,
                       "packed_weights": not args.unpacked,
                       "decode_attention": "torch" if args.torch_decode or not
                       cpu_kernel.available() else "cpu_kernel",
-                      "torch": torch.__version__, "cpu": platform.processor() or
-                      platform.machine(), "results": results}, indent=1))
+                      **machine_info(), "results": results}, indent=1))
 
 
 if __name__ == "__main__":
