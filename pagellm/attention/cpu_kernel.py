@@ -296,7 +296,8 @@ class _StoreArgs(ctypes.Structure):
                  ("key", "value", "slots", "k_cache", "v_cache")]
                 + [(name, ctypes.c_int64) for name in
                    ("stride", "num_tokens", "num_kv_heads", "head_dim")]
-                + [("bf16", ctypes.c_int32), ("format", ctypes.c_int32)])
+                + [("bf16", ctypes.c_int32), ("format", ctypes.c_int32),
+                   ("num_threads", ctypes.c_int64)])
 
 
 _STORE_FORMATS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
@@ -340,7 +341,8 @@ def _store_call(key: torch.Tensor, value: torch.Tensor, cache: QuantizedKVCache
                          "float32 or bfloat16 rows")
     args = _StoreArgs(key.data_ptr(), value.data_ptr(), None, cache.key.data_ptr(),
                       cache.value.data_ptr(), key.stride(0), num_tokens, num_kv_heads,
-                      head_dim, key.dtype == torch.bfloat16, _STORE_FORMATS[cache.format.name])
+                      head_dim, key.dtype == torch.bfloat16, _STORE_FORMATS[cache.format.name],
+                      torch.get_num_threads())
     return native.PreparedCall(_KERNEL.load().paged_store_q8, args,
                                (key, value, cache.key, cache.value))
 

@@ -228,22 +228,33 @@ def test_cache_engine_moves_scales_with_their_blocks():
     torch.testing.assert_close(k_ref[5].float(), rows[0, 0], atol=0.05, rtol=0.02)
 
 
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("head_dim", [64, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt_name", FORMAT_NAMES)
-def test_compiled_store_writes_the_quantizer_s_bytes(fmt_name, dtype):
+def test_compiled_store_writes_the_quantizer_s_bytes(fmt_name, dtype, head_dim, threads, build,
+                                                     monkeypatch):
     """cpu_kernel.store_quantized (the CPU paths' store) writes exactly kv_quant.quantize's
     bytes at the slots, skipping padding (-1), on store_rows' rows (ten decades, zeros, -0.0,
-    NaN and infinite entries, every tie between neighbouring codes, clamped rows)."""
-    if not cpu_kernel.available():
-        pytest.skip("the compiled kernel is off here")
+    NaN and infinite entries, every tie between neighbouring codes, clamped rows), in every
+    build (AVX-512 ones quantize 16 values at a time where head_dim allows: 64, not 40),
+    with its tokens on one thread or two."""
+    monkeypatch.setattr(cpu_kernel, "_KERNEL", kernel_build(build))
     fmt = FORMATS[fmt_name]
     key, value, slots = store_rows(fmt, dtype)
-    heads, head_dim = key.shape[1:]
+    key, value = key[..., :head_dim], value[..., :head_dim]
+    heads = key.shape[1]
     caches = [QuantizedKVCache(torch.zeros(10, 4, heads, head_dim + 2, dtype=torch.uint8),
                                torch.zeros(10, 4, heads, head_dim + 2, dtype=torch.uint8), fmt)
               for _ in range(2)]
     kv_quant.write_to_kv_cache(key, value, caches[0], slots, torch.nonzero(slots >= 0)[:, 0])
-    cpu_kernel.store_quantized(key, value, caches[1], slots)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_kernel.store_quantized(key, value, caches[1], slots)
+    finally:
+        torch.set_num_threads(previous)
     assert torch.equal(caches[0].key, caches[1].key)
     assert torch.equal(caches[0].value, caches[1].value)
     assert caches[1].key.flatten(0, 1)[slots[slots >= 0]].any()
