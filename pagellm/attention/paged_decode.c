@@ -1962,25 +1962,32 @@ int paged_decode_features(void) {
    ``sign``: the sign bit to set (0x80000000 or 0), taken by the caller from the unscaled
    value's bits, which -fno-signed-zeros leaves alone (a zero's sign after the division and
    the clamp is the compiler's choice). */
+/* The conversion's constants per format (e5m2 1, e4m3 0), on float32 bits: from FP8_MAX_BITS
+   the inf / NaN codes, below FP8_MIN_NORMAL the subnormal ones (rounded by adding
+   FP8_DENORM as a float), else the rounded bits shifted by FP8_SHIFT after adding
+   FP8_REBIAS (the exponent's rebias and half a step less one). */
+#define FP8_MAX_BITS(e5m2) ((e5m2) ? 143u << 23 : 1087u << 20)
+#define FP8_DENORM(e5m2) ((e5m2) ? 134u << 23 : 141u << 23)
+#define FP8_MIN_NORMAL(e5m2) ((e5m2) ? 113u << 23 : 121u << 23)
+#define FP8_SHIFT(e5m2) ((e5m2) ? 21 : 20)
+#define FP8_REBIAS(e5m2) \
+  (((uint32_t)(((e5m2) ? 15 : 7) - 127) << 23) + ((1u << (FP8_SHIFT(e5m2) - 1)) - 1u))
 INLINE uint8_t fp8_code(float f, uint32_t sign, int e5m2) {
   union { uint32_t u; float f; } c, d;
   c.f = f;
   uint32_t bits = c.u & 0x7fffffffu;
-  const uint32_t max_bits = e5m2 ? 143u << 23 : 1087u << 20; /* beyond: inf / NaN codes */
-  const uint32_t denorm = e5m2 ? 134u << 23 : 141u << 23;
-  const uint32_t min_normal = e5m2 ? 113u << 23 : 121u << 23;
-  const int shift = e5m2 ? 21 : 20, bias = e5m2 ? 15 : 7;
+  const int shift = FP8_SHIFT(e5m2);
   uint8_t code;
-  if (bits >= max_bits) {
+  if (bits >= FP8_MAX_BITS(e5m2)) {
     code = e5m2 ? (bits > 0x7f800000u ? 0x7f : 0x7c) : 0x7f;
-  } else if (bits < min_normal) { /* subnormal: let the float adder round */
+  } else if (bits < FP8_MIN_NORMAL(e5m2)) { /* subnormal: let the float adder round */
     c.u = bits;
-    d.u = denorm;
+    d.u = FP8_DENORM(e5m2);
     c.f += d.f;
-    code = (uint8_t)(c.u - denorm);
+    code = (uint8_t)(c.u - FP8_DENORM(e5m2));
   } else {
     const uint32_t odd = (bits >> shift) & 1u;
-    bits += ((uint32_t)(bias - 127) << 23) + ((1u << (shift - 1)) - 1u) + odd;
+    bits += FP8_REBIAS(e5m2) + odd;
     code = (uint8_t)(bits >> shift);
   }
   return code | (uint8_t)(sign >> 24);
@@ -2012,20 +2019,17 @@ typedef struct {
 /* fp8_code for 16 values: |y| bits and the signs, as codes in the low byte of each lane. */
 INLINE __m512i fp8_codes16(__m512 y, __m512i sign, int e5m2) {
   const __m512i bits = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7fffffff));
-  const uint32_t max_bits = e5m2 ? 143u << 23 : 1087u << 20;
-  const uint32_t denorm = e5m2 ? 134u << 23 : 141u << 23;
-  const uint32_t min_normal = e5m2 ? 113u << 23 : 121u << 23;
-  const int shift = e5m2 ? 21 : 20, bias = e5m2 ? 15 : 7;
+  const __m512i denorm = _mm512_set1_epi32((int)FP8_DENORM(e5m2));
+  const int shift = FP8_SHIFT(e5m2);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, shift), _mm512_set1_epi32(1));
   const __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, odd),
-      _mm512_set1_epi32((int)(((uint32_t)(bias - 127) << 23) + ((1u << (shift - 1)) - 1u)))),
-      shift);
+      _mm512_set1_epi32((int)FP8_REBIAS(e5m2))), shift);
   const __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(
-      _mm512_castsi512_ps(bits), _mm512_castsi512_ps(_mm512_set1_epi32((int)denorm)))),
-      _mm512_set1_epi32((int)denorm));
+      _mm512_castsi512_ps(bits), _mm512_castsi512_ps(denorm))), denorm);
   __m512i code = _mm512_mask_blend_epi32(
-      _mm512_cmplt_epu32_mask(bits, _mm512_set1_epi32((int)min_normal)), normal, sub);
-  const __mmask16 big = _mm512_cmpge_epu32_mask(bits, _mm512_set1_epi32((int)max_bits));
+      _mm512_cmplt_epu32_mask(bits, _mm512_set1_epi32((int)FP8_MIN_NORMAL(e5m2))), normal, sub);
+  const __mmask16 big = _mm512_cmpge_epu32_mask(bits,
+                                                _mm512_set1_epi32((int)FP8_MAX_BITS(e5m2)));
   const __m512i big_code = e5m2 ? _mm512_mask_blend_epi32(
       _mm512_cmpgt_epu32_mask(bits, _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(0x7c),
       _mm512_set1_epi32(0x7f)) : _mm512_set1_epi32(0x7f);
