@@ -314,7 +314,7 @@ def store_quantized(key: torch.Tensor, value: torch.Tensor, cache: QuantizedKVCa
         key, value = key.contiguous(), value.contiguous()
     slots = slots.to(torch.int64).contiguous()  # the C side reads int64
     call = _store_call(key, value, cache)
-    call.args.slots = slots.data_ptr()
+    set_store_slots(call, slots)
     call()
 
 
@@ -322,11 +322,16 @@ def prepared_store_quantized(key: torch.Tensor, value: torch.Tensor,
                              cache: QuantizedKVCache) -> native.PreparedCall:
     """store_quantized as a prepared call on key/value that stay where they are (token rows
     of one stride, each row contiguous, as the projections' views are); the step's slots
-    (one per token) are set on ``args.slots`` before each call."""
+    (one per token) are set before each call (set_store_slots)."""
     if key is not _rows(key) or value is not _rows(value) or key.stride(0) != value.stride(0):
         raise ValueError("prepared_store_quantized: key and value need contiguous token rows "
                          "of one stride")
     return _store_call(key, value, cache)
+
+
+def set_store_slots(call: native.PreparedCall, slots: torch.Tensor) -> None:
+    """The step's slots (int64, contiguous) of a store call, kept alive with it."""
+    call.args.slots, call.step = slots.data_ptr(), (slots,)
 
 
 def _store_call(key: torch.Tensor, value: torch.Tensor, cache: QuantizedKVCache

@@ -2039,58 +2039,60 @@ INLINE __m512i fp8_codes16(__m512 y, __m512i sign, int e5m2) {
 }
 #endif
 
+/* A row's scale from its largest |x| (finite: no NaN or infinity in it): its two bytes
+   after the row's D codes in out, and *scale its value; a row that is not finite gets the
+   NaN scale and zero codes, and 0 is returned (no codes left to write). */
+INLINE int q8_row_scale(float amax, int finite, float qmax, int64_t D, uint8_t* out,
+                        float* scale) {
+  const bf16_t scale_bits = finite ? store_bf16(amax > 0 ? amax / qmax : 1.0f) : 0x7FC0;
+  memcpy(out + D, &scale_bits, 2);
+  *scale = load_bf16(scale_bits);
+  if (!finite) memset(out, 0, D);
+  return finite;
+}
+#ifdef USE_AVX512
+/* store_row_q8 16 values at a time (D a multiple of 16): the same operations in order. */
+INLINE void store_row_q8_avx512(const float* x, int64_t D, int format, float qmax,
+                                uint8_t* out) {
+  __m512 m = _mm512_setzero_ps();
+  __mmask16 ok = 0xffff;
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + d));
+    ok &= _mm512_cmp_ps_mask(a, _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ); /* NaN: 0 */
+    m = _mm512_max_ps(m, a);
+  }
+  float scale;
+  if (!q8_row_scale(_mm512_reduce_max_ps(m), ok == 0xffff, qmax, D, out, &scale)) return;
+  const __m512 sv = _mm512_set1_ps(scale), hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 v = _mm512_loadu_ps(x + d);
+    const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v, sv), lo), hi);
+    const __m512i code = format == 0
+        ? _mm512_cvtps_epi32(_mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT
+                                                        | _MM_FROUND_NO_EXC))
+        : fp8_codes16(y, _mm512_and_si512(_mm512_castps_si512(v),
+                                          _mm512_set1_epi32((int)0x80000000u)),
+                      format == 2);
+    _mm_storeu_si128((__m128i*)(out + d), _mm512_cvtepi32_epi8(code));
+  }
+}
+#endif
 /* One row of D values (x, float32) into out: D codes, then the scale's two bytes. */
 INLINE void store_row_q8(const float* x, int64_t D, int format, float qmax, uint8_t* out) {
-  float amax = 0.0f;
+#ifdef USE_AVX512
+  if (D % 16 == 0) {
+    store_row_q8_avx512(x, D, format, qmax, out);
+    return;
+  }
+#endif
+  float amax = 0.0f, scale;
   int finite = 1;
-#ifdef USE_AVX512
-  const int vector = D % 16 == 0;
-#else
-  const int vector = 0;
-#endif
-  if (vector) {
-#ifdef USE_AVX512
-    __m512 m = _mm512_setzero_ps();
-    __mmask16 ok = 0xffff;
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + d));
-      ok &= _mm512_cmp_ps_mask(a, _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ); /* NaN: 0 */
-      m = _mm512_max_ps(m, a);
-    }
-    amax = _mm512_reduce_max_ps(m);
-    finite = ok == 0xffff;
-#endif
-  } else {
-    for (int64_t d = 0; d < D; d++) {
-      const float m = x[d] < 0 ? -x[d] : x[d];
-      amax = m > amax ? m : amax;
-      finite &= m < __builtin_inff(); /* false for NaN */
-    }
+  for (int64_t d = 0; d < D; d++) {
+    const float m = x[d] < 0 ? -x[d] : x[d];
+    amax = m > amax ? m : amax;
+    finite &= m < __builtin_inff(); /* false for NaN */
   }
-  const bf16_t scale_bits = finite ? store_bf16(amax > 0 ? amax / qmax : 1.0f) : 0x7FC0;
-  const float scale = load_bf16(scale_bits);
-  memcpy(out + D, &scale_bits, 2);
-  if (!finite) {
-    memset(out, 0, D);
-    return;
-  }
-  if (vector) {
-#ifdef USE_AVX512
-    const __m512 sv = _mm512_set1_ps(scale), hi = _mm512_set1_ps(qmax), lo = _mm512_set1_ps(-qmax);
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 v = _mm512_loadu_ps(x + d);
-      const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(v, sv), lo), hi);
-      const __m512i code = format == 0
-          ? _mm512_cvtps_epi32(_mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT
-                                                          | _MM_FROUND_NO_EXC))
-          : fp8_codes16(y, _mm512_and_si512(_mm512_castps_si512(v),
-                                            _mm512_set1_epi32((int)0x80000000u)),
-                        format == 2);
-      _mm_storeu_si128((__m128i*)(out + d), _mm512_cvtepi32_epi8(code));
-    }
-#endif
-    return;
-  }
+  if (!q8_row_scale(amax, finite, qmax, D, out, &scale)) return;
   for (int64_t d = 0; d < D; d++) {
     float y = x[d] / scale;
     y = y < -qmax ? -qmax : y > qmax ? qmax : y;

@@ -196,7 +196,7 @@ class CpuDecodePlan:
         slots = metadata.slot_mapping.contiguous()
         for call, store in attention:  # an 8-bit cache: its store, then attention
             if store is not None:
-                store.args.slots, store.step = slots.data_ptr(), (slots,)
+                cpu_kernel.set_store_slots(store, slots)
             cpu_kernel.set_step(call, pairs, decode.seq_lens, decode.max_seq_len,
                                 None if store is not None else slots, workspace)
         for call in calls:
