@@ -65,7 +65,11 @@ def measure(kernels: list, names: list[str], kv_dtypes: list[str], shape: tuple[
     scale = HEAD_DIM ** -0.5
     calls, outs = {}, {}
     for i, kernel in enumerate(kernels):
-        workspace = kernel.decode_workspace(num_seqs, HEADS, HEAD_DIM, decode.max_seq_len)
+        # an older source (--rev) does not size its workspace: the package's layout, which
+        # has grown only, holds it
+        owner = kernel if hasattr(kernel._KERNEL.load(), "paged_decode_workspace_floats") \
+            else kernels[0]
+        workspace = owner.decode_workspace(num_seqs, HEADS, HEAD_DIM, decode.max_seq_len)
         for kv_dtype, (fmt, layer_caches) in caches.items():
             out = outs[i, kv_dtype] = torch.empty_like(query)
             calls[i, kv_dtype] = []

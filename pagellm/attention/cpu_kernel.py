@@ -224,23 +224,14 @@ def set_step(call: native.PreparedCall, pairs: tuple[torch.Tensor, torch.Tensor,
 
 def decode_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int
                      ) -> torch.Tensor:
-    """The float32 workspace paged_decode_attention takes for such a step: per query row,
-    its scores (row_floats), one partial sum per thread, and the query's dimension pairs
-    (the AMX kernels') or its bytes and their two constants (the AVX512-VNNI kernel's);
-    then, in a build with the AMX kernels, each thread's decoded tiles, on 64-byte lines."""
-    threads = torch.get_num_threads()
-    rows = num_seqs * num_heads
-    row_floats = -(-(max_seq_len + (max_seq_len + 1) // 2 + 1) // 16) * 16  # as paged_decode.c
-    floats = -(-rows * (row_floats + threads * head_dim + head_dim // 2 + 2) // 16) * 16
-    return _KERNEL.scratch(floats + threads * _amx_state_floats())
-
-
-def _amx_state_floats() -> int:
-    """Floats per thread the AMX kernels keep in the workspace (0 without them)."""
-    library = _KERNEL.load()
-    if library is None or not hasattr(library, "paged_decode_amx_state_floats"):
-        return 0  # no kernel, or an older source (decode_kernel_variants.py --rev)
-    return library.paged_decode_amx_state_floats()
+    """The float32 workspace paged_decode_attention takes for such a step, of the size the
+    library computes (paged_decode_workspace_floats): per query row its scores, one partial
+    sum per thread, and the query's dimension pairs (the AMX kernels') or its bytes and their
+    two constants (the AVX512-VNNI kernel's); then, in a build with the AMX kernels, each
+    thread's decoded tiles, on 64-byte lines."""
+    floats = _KERNEL.load().paged_decode_workspace_floats(
+        num_seqs, num_heads, head_dim, max_seq_len, torch.get_num_threads())
+    return _KERNEL.scratch(floats)
 
 
 def supports_quantized(query: torch.Tensor, cache: QuantizedKVCache) -> bool:
@@ -384,8 +375,9 @@ def _build_and_load(level: str | None, portable: bool) -> ctypes.CDLL | None:
                     getattr(library, f"paged_decode_attention_{name}{suffix}{decoding}"
                             ).argtypes = [ctypes.POINTER(_DecodeArgs)]
         library.paged_decode_features.restype = ctypes.c_int
-        if hasattr(library, "paged_decode_amx_state_floats"):
-            library.paged_decode_amx_state_floats.restype = ctypes.c_int64
+        if hasattr(library, "paged_decode_workspace_floats"):  # not in older sources
+            library.paged_decode_workspace_floats.argtypes = [ctypes.c_int64] * 5
+            library.paged_decode_workspace_floats.restype = ctypes.c_int64
         if hasattr(library, "paged_decode_amx"):  # not in older sources (--rev builds of
             library.paged_decode_amx.argtypes = [ctypes.c_int]  # decode_kernel_variants.py)
             library.paged_decode_amx.restype = ctypes.c_int

@@ -17,6 +17,9 @@
    leave gaps. A sequence's blocks may fall to several threads: scores land in disjoint
    places of its row, and pass 2 accumulates into one partial sum per thread, added up at the
    end. Barriers separate pass 1, the softmax (by rows), pass 2 and the final sum.
+   The 8-bit kernels with AVX512-VBMI (the table, AVX512-VNNI and AMX ones) run in a single
+   pass instead (DEFINE_Q8_ONLINE_KERNEL): each (block, KV head) step's scores become its
+   weights against a running maximum at once, and each thread's rows are merged at the end.
 
    Inner loops, chosen at compile time:
    - AVX-512 (head_dim a multiple of 32, at most 256): 16 keys' dot products at a time,
@@ -163,9 +166,12 @@ DEFINE_WRITE(write_bf16_t, bf16_t)
    then num_threads partial output sums [num_seqs * num_heads, head_dim] float32. With the
    rows on line boundaries (cpu_kernel.decode_workspace's buffer is 64-byte aligned), a block
    of 16 keys' scores is one line of its own: no line is split between blocks, which the
-   threads take in physical order, not by sequence, and would otherwise write side by side. */
+   threads take in physical order, not by sequence, and would otherwise write side by side.
+   The single-pass kernels keep no scores: a row holds their threads' running maxima and sums
+   instead, two floats per thread (online_state), so a row has at least that many floats. */
 INLINE int64_t row_floats(const decode_args* a) {
-  return (a->max_seq_len + (a->max_seq_len + 1) / 2 + 1 + 15) / 16 * 16;
+  const int64_t scores = a->max_seq_len + (a->max_seq_len + 1) / 2 + 1;
+  return ((scores > 2 * a->num_threads ? scores : 2 * a->num_threads) + 15) / 16 * 16;
 }
 INLINE float* partial_sum(const decode_args* a, int64_t t, int64_t row) {
   const int64_t rows = a->num_seqs * a->num_heads;
@@ -1334,13 +1340,160 @@ Q8_INSTANCE(q8_bf16_e5m2_avx512, bf16, float, dequant_e5m2_avx512, bf16_avx512)
 Q8_INSTANCE(q8_bf16_int8_bf16dp, bf16, bf16_t, dequant_int8_bf16, bf16)
 Q8_INSTANCE(q8_bf16_e4m3_bf16dp, bf16, bf16_t, dequant_e4m3_bf16, bf16)
 Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
+/* The single-pass ("online") form of DEFINE_Q8_KERNEL, for the kernels whose value loop
+   takes any weights (the AVX512-VNNI one: it brings them to fixed point per step itself).
+   Each (block, KV head) step computes its KEYS keys' scores into registers and a buffer on
+   the stack, turns them into weights exp(score - m) against the thread's running maximum m
+   of the row (rescaling the row's partial sum and running sum by exp(m_old - m) where the
+   maximum grew), and adds the weighted value rows at once: the scores never go to the
+   workspace, and the softmax pass between the passes, with its barrier and its reads and
+   writes of every row's scores, goes away. Each thread's rows end with (m, sum, partial
+   sum); reduce_rows_online merges them. The K and V blocks of a pair are read one after
+   the other, each with its own far and near prefetches. A 64 x 512 step over 12 layers of
+   int8 caches from memory: see docs/BENCHMARKS.md, "A single pass". */
+/* Thread t's running maximum and sum of row r ([0], [1]; [1] = -1: not touched yet), in the
+   rows' place: each thread's pairs side by side. */
+INLINE float* online_state(const decode_args* a, int64_t t, int64_t r) {
+  return a->workspace + 2 * (t * a->num_seqs * a->num_heads + r);
+}
+/* The scores w[g * KEYS + i] (i < n) of G rows r0.. into weights exp(w - m) against each
+   row's running maximum m (taking in the new scores), their sum added to the running sum,
+   the rows' partial sums acc (G x D) rescaled where m grew, or zeroed on a first touch.
+   A NaN score makes the row's maximum NaN, and so its output. */
+INLINE void online_weights(const decode_args* a, int64_t t, int64_t r0, float* w,
+                           const int64_t KEYS, int64_t n, float* acc, const int64_t D,
+                           const int64_t G) {
+  for (int64_t g = 0; g < G; g++) {
+    float* st = online_state(a, t, r0 + g);
+    float* wg = w + g * KEYS;
+    float* ag = acc + g * D;
+    __m512 mx = _mm512_set1_ps(-__builtin_inff());
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 x = _mm512_maskz_loadu_ps(first_lanes(n - i), wg + i);
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      mx = _mm512_mask_max_ps(mx, first_lanes(n - i), mx, x);
+    }
+    const float old = st[0], block = nan ? __builtin_nanf("") : _mm512_reduce_max_ps(mx);
+    const float m = block > old || block != block ? block : old;
+    if (st[1] < 0.0f) { /* first touch: nothing to rescale */
+      memset(ag, 0, D * sizeof(float));
+      st[1] = 0.0f;
+    } else if (m > old) {
+      const float f = exp_u20(old - m);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(ag + d, _mm512_mul_ps(_mm512_loadu_ps(ag + d), _mm512_set1_ps(f)));
+      st[1] *= f;
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 k = first_lanes(n - i);
+      const __m512 e = _mm512_maskz_mov_ps(k, exp512_u20(_mm512_sub_ps(
+          _mm512_maskz_loadu_ps(k, wg + i), _mm512_set1_ps(m))));
+      _mm512_storeu_ps(wg + i, e); /* lanes past n zero, up to the next 16 */
+      sum = _mm512_add_ps(sum, e);
+    }
+    st[0] = m;
+    st[1] += _mm512_reduce_add_ps(sum);
+  }
+}
+/* After the single pass, on every thread: each row's threads' (m_t, sum_t, partial sum_t)
+   merged, out = sum_t exp(m_t - M) acc_t / sum_t exp(m_t - M) sum_t with M = max m_t. */
+INLINE void reduce_rows_online(const decode_args* a, int64_t nt, int bf16_out) {
+  const int64_t D = a->head_dim;
+  _Pragma("omp barrier")
+  _Pragma("omp for schedule(static)")
+  for (int64_t r = 0; r < a->num_seqs * a->num_heads; r++) {
+    float top = -__builtin_inff(), total = 0.0f;
+    for (int64_t u = 0; u < nt; u++) { /* the maximum over the threads that took part */
+      const float* st = online_state(a, u, r);
+      if (st[1] < 0.0f) continue;
+      top = st[0] != st[0] || top != top ? __builtin_nanf("") : st[0] > top ? st[0] : top;
+    }
+    for (int64_t u = 0; u < nt; u++) {
+      const float* st = online_state(a, u, r);
+      if (!(st[1] < 0.0f)) total += exp_u20(st[0] - top) * st[1];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 x = _mm512_setzero_ps();
+      for (int64_t u = 0; u < nt; u++) { /* an untouched partial sum is not even read */
+        const float* st = online_state(a, u, r);
+        if (!(st[1] < 0.0f))
+          x = _mm512_fmadd_ps(_mm512_loadu_ps(partial_sum(a, u, r) + d),
+                              _mm512_set1_ps(exp_u20(st[0] - top)), x);
+      }
+      x = _mm512_mul_ps(x, _mm512_set1_ps(inv));
+      if (bf16_out) _mm256_storeu_si256((__m256i*)((bf16_t*)a->out + r * D + d),
+                                        (__m256i)_mm512_cvtneps_pbh(x));
+      else _mm512_storeu_ps((float*)a->out + r * D + d, x);
+    }
+  }
+}
+#define DEFINE_Q8_ONLINE_KERNEL(NAME, QT, KEYS, PHASE, SCORE_ROWS, VALUE_ROWS, NEAR)         \
+INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
+  const int64_t KVH = a->num_kv_heads, H = a->num_heads;                                     \
+  const int64_t bs = a->block_size, R = D + 2, block_bytes = bs * KVH * R;                   \
+  const int sliced = bs > SLICE_KEYS; /* else the block is one slice */                      \
+  const int near = (NEAR) && near_prefetch_wanted;                                           \
+  const uint8_t* kc = (const uint8_t*)a->k_cache;                                            \
+  const uint8_t* vc = (const uint8_t*)a->v_cache;                                            \
+  const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                       \
+  const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;                \
+  float w[BF16_TILE_GROUP * KEYS] __attribute__((aligned(64)));                              \
+  PHASE(a, 0, D, G);                                                                         \
+  for (int64_t r = 0; r < a->num_seqs * H; r++) {                                            \
+    float* st = online_state(a, t, r);                                                       \
+    st[0] = -__builtin_inff();                                                               \
+    st[1] = -1.0f;                                                                           \
+  }                                                                                          \
+  for (int64_t p = pb; p < pe; p++) {                                                        \
+    const int64_t off = a->pair_phys[p] * block_bytes;                                       \
+    const int64_t ahead = p + PREFETCH_AHEAD < pe                                            \
+        ? a->pair_phys[p + PREFETCH_AHEAD] * block_bytes : -1;                               \
+    const int64_t next = p + 1 < pe ? a->pair_phys[p + 1] * block_bytes : -1;                \
+    int64_t lo;                                                                              \
+    const int64_t hi = pair_keys(a, p, &lo), s = a->pair_seq[p];                             \
+    for (int64_t h = 0; h < KVH; h++) {                                                      \
+      const int64_t r0 = s * H + h * G;                                                      \
+      float* acc = partial_sum(a, t, r0);                                                    \
+      for (int64_t j = 0; j < bs; j += SLICE_KEYS) { /* one slice unless sliced */           \
+        const int64_t k0s = sliced && j > lo ? j : lo;                                       \
+        const int64_t k1s = sliced && j + SLICE_KEYS < hi ? j + SLICE_KEYS : hi;             \
+        const int64_t j0 = sliced ? j : 0;                                                   \
+        const int64_t j1 = !sliced ? bs : j + SLICE_KEYS < bs ? j + SLICE_KEYS : bs;         \
+        for (int kv = 0; kv < 2; kv++) { /* the slice's K, then its V */                     \
+          const uint8_t* cache = kv ? vc : kc;                                               \
+          if (ahead >= 0)                                                                    \
+            prefetch_keys((const char*)cache + ahead, block_bytes, h, KVH, bs, j0, j1);      \
+          if (near && next >= 0 && j == 0)                                                   \
+            prefetch_near((const char*)cache + next + h * bs * R, bs * R);                   \
+          for (int64_t k0 = k0s; k0 < k1s; k0 += KEYS) {                                     \
+            const int64_t n = k1s - k0 < KEYS ? k1s - k0 : KEYS;                             \
+            const uint8_t* rows = cache + off + (k0 * KVH + h) * R;                          \
+            if (kv == 0) {                                                                   \
+              SCORE_ROWS(a, rows, KVH * R, n, r0, w, KEYS, D, G);                            \
+              online_weights(a, t, r0, w, KEYS, n, acc, D, G);                               \
+            } else {                                                                         \
+              VALUE_ROWS(a, rows, KVH * R, n, w, KEYS, acc, D, G);                           \
+            }                                                                                \
+          }                                                                                  \
+          prefetch_flush(); /* what the loops left of this share */                          \
+        }                                                                                    \
+        if (!sliced) break;                                                                  \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+  PHASE(a, 1, D, G);                                                                         \
+  reduce_rows_online(a, nt, sizeof(QT) == 2);                                                \
+}
 #ifdef USE_Q8_PLANES
 /* The table kernels: the key tile by the tables, the value rows in place. */
 #define Q8_PLANES_INSTANCE(FMT)                                                              \
   DEFINE_TILE_ROWS(q8_bf16_##FMT##_planes, bf16, bf16_t, dequant_##FMT##_planes,             \
                    score_tile_bf16, value_tile_bf16)                                         \
-  DEFINE_Q8_KERNEL(kernel_q8_bf16_##FMT##_planes, bf16, TILE_KEYS, no_phase,                  \
-                   score_rows_q8_bf16_##FMT##_planes, value_rows_value_##FMT##_planes, 0)    \
+  DEFINE_Q8_ONLINE_KERNEL(kernel_q8_bf16_##FMT##_planes, bf16, TILE_KEYS, no_phase,           \
+                          score_rows_q8_bf16_##FMT##_planes, value_rows_value_##FMT##_planes, 0) \
   DISPATCH_Q8(run_q8_bf16_##FMT##_planes, kernel_q8_bf16_##FMT##_planes)
 Q8_PLANES_INSTANCE(int8)
 Q8_PLANES_INSTANCE(e4m3)
@@ -1574,45 +1727,46 @@ INLINE void value_rows_int8_vnni(const decode_args* a, const uint8_t* v, int64_t
     }
   }
 }
-DEFINE_Q8_KERNEL(kernel_q8_bf16_int8_vnni, bf16, TILE_KEYS, vnni_queries, score_rows_int8_vnni,
-                 value_rows_int8_vnni, 1)
+DEFINE_Q8_ONLINE_KERNEL(kernel_q8_bf16_int8_vnni, bf16, TILE_KEYS, vnni_queries,
+                        score_rows_int8_vnni, value_rows_int8_vnni, 1)
 DISPATCH_Q8(run_q8_bf16_int8_vnni, kernel_q8_bf16_int8_vnni)
 static int vnni_int8_wanted = 1;
 #endif
 #ifdef USE_Q8_AMX
 /* AMX (the tile instructions and their bfloat16 products, Sapphire Rapids and later; head_dim
    a multiple of 64, at most 16 query heads per KV head): the table kernels' decoding, and the
-   dot products of both passes by TDPBF16PS, 16 keys at a time, in place of the vector dot
-   products, the reduction tree of the scores and the value loop's broadcasts. The products
-   are exact and summed in float32, as by the vector instructions, in another order.
-   Pass 1: scores[16 keys x G] = K tile [16 keys x 32 dims] . Q pairs [16 dim pairs x G], over
-   the head_dim in chunks of 32, the key tile decoded by the tables and the query heads'
+   dot products of both products by TDPBF16PS, 16 keys at a time, in place of the vector dot
+   products, the reduction tree of the scores and the value loop's broadcasts, in the single
+   pass (DEFINE_Q8_ONLINE_KERNEL). The products are exact and summed in float32, as by the
+   vector instructions, in another order.
+   Scores: [16 keys x G] = K tile [16 keys x 32 dims] . Q pairs [16 dim pairs x G], over the
+   head_dim in chunks of 32, the key tile decoded by the tables and the query heads'
    dimension pairs laid out once per call (query_pairs).
-   Pass 2: out[G x 16 dims] += weights [G x 16 keys] . V pairs [8 key pairs x 16 dims], for
-   64 dimensions at a time (tmm0..3), the V pairs decoded by the tables straight into the
-   layout the products read (step_bf16's).
-   Each (block, KV head)'s decoded rows go to memory, where the tile loads read them; a tile
-   load does not take its data from stores still in flight, so the products of one block run
-   after the next block is decoded (two buffers per thread, amx_state), not right after their
-   own decoding. Linux lends the tile registers to a process only on request (amx_permitted);
-   without them the table kernels run. */
+   Values: out[G x 16 dims] += weights [G x 16 keys] . V pairs [8 key pairs x 16 dims], 32
+   dimensions at a time, the V pairs decoded by the tables straight into the layout the
+   products read (step_bf16's).
+   One tile configuration serves both (amx_configure). The decoded rows go to memory, where
+   the tile loads read them; a tile load does not take its data from stores still in flight,
+   so a step's value products run in the next step, between its key rows' decoding and its
+   score products (amx_state), not right after their own decoding. Linux lends the tile
+   registers to a process only on request (amx_permitted); without them the table kernels
+   run. */
 typedef struct {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
   uint8_t rows[16];
 } amx_config;
-INLINE void amx_configure(int pass, const int64_t G) {
+/* tmm0 scores, tmm1 keys, tmm2 query pairs; tmm3-4 outputs, tmm5 weights, tmm6-7 value
+   pairs. */
+INLINE void amx_configure(const int64_t G) {
+  static const uint8_t rows[8] = {16, 16, 16, 0, 0, 0, 8, 8};
+  static const uint16_t colsb[8] = {0, 64, 0, 64, 64, 32, 64, 64};
   amx_config c;
   memset(&c, 0, sizeof c);
   c.palette = 1;
   for (int i = 0; i < 8; i++) {
-    if (pass == 0) { /* tmm0 scores, tmm4-5 keys, tmm6-7 query pairs */
-      c.rows[i] = i == 0 || i >= 4 ? 16 : 0;
-      c.colsb[i] = (uint16_t)(i == 4 || i == 5 ? 64 : i == 0 || i >= 6 ? 4 * G : 0);
-    } else {         /* tmm0-3 outputs, tmm4 weights, tmm5-7 value pairs */
-      c.rows[i] = (uint8_t)(i >= 5 ? 8 : G);
-      c.colsb[i] = (uint16_t)(i == 4 ? 32 : 64);
-    }
+    c.rows[i] = i >= 3 && i <= 5 ? (uint8_t)G : rows[i];
+    c.colsb[i] = i == 0 || i == 2 ? (uint16_t)(4 * G) : colsb[i];
   }
   _tile_loadconfig(&c);
 }
@@ -1622,96 +1776,79 @@ INLINE void amx_configure(int pass, const int64_t G) {
 INLINE uint32_t* query_pairs(const decode_args* a, int64_t r0) {
   return (uint32_t*)query_area(a) + r0 * (a->head_dim / 2);
 }
-/* A thread's decoded blocks: two of each pass's, the one whose products are pending and the
-   one being decoded; in the workspace (amx_state_of), so the kernel allocates nothing. */
+/* A thread's decoded rows: a step's key rows, and the value pairs whose products are
+   pending; in the workspace (amx_state_of), so the kernel allocates nothing. */
 typedef struct {
-  bf16_t tile[2][TILE_KEYS * 256]; /* pass 1: the key rows */
-  float sc[2][TILE_KEYS];          /* and their scales */
-  __m512i vp[2][16][TILE_KEYS / 2]; /* pass 2: [chunk of 16 dims][key pair] value pairs */
-  bf16_t wt[2][16 * TILE_KEYS];     /* and the scaled weights */
-  const uint32_t* qp[2];            /* pass 1: the query pairs */
-  float* out[2];                    /* pass 1: the scores; pass 2: the partial sum */
-  int64_t rf[2], n[2];              /* the scores' row stride (pass 1); the keys */
-  int pending, next;
+  bf16_t tile[TILE_KEYS * 256];     /* the key rows */
+  float sc[TILE_KEYS];              /* and their scales */
+  __m512i vp[16][TILE_KEYS / 2];    /* [chunk of 16 dims][key pair] value pairs */
+  bf16_t wt[16 * TILE_KEYS];        /* and the scaled weights */
+  float* out;                       /* their partial sums */
+  int64_t n;                        /* and their keys */
+  int pending;
 } amx_state;
 static __thread amx_state* amx_at __attribute__((tls_model("initial-exec")));
 /* Thread t's state: the workspace's last part, after the rows' query areas, AMX_STATE_FLOATS
-   for each thread on 64-byte lines (cpu_kernel.decode_workspace makes room for it where
-   paged_decode_amx_state_floats() says so). */
+   for each thread on 64-byte lines (counted by paged_decode_workspace_floats). */
 #define AMX_STATE_FLOATS ((int64_t)(sizeof(amx_state) + 63) / 64 * 16)
 INLINE amx_state* amx_state_of(const decode_args* a, int64_t t) {
   const int64_t at = (query_area(a) - a->workspace
                       + a->num_seqs * a->num_heads * (a->head_dim / 2 + 2) + 15) / 16 * 16;
   return (amx_state*)(a->workspace + at + t * AMX_STATE_FLOATS);
 }
-INLINE void amx_scores(const decode_args* a, int b, const int64_t D, const int64_t G) {
+/* The scores of the n decoded key rows against the G query heads' pairs qp, times the rows'
+   scales and a->scale, into out[g * os + i]. */
+INLINE void amx_scores(const decode_args* a, const uint32_t* qp, int64_t n, float* out,
+                       int64_t os, const int64_t D, const int64_t G) {
   amx_state* st = amx_at;
-  const uint32_t* qp = st->qp[b];
-  const int64_t n = st->n[b], rf = st->rf[b];
   float s[16 * 16] __attribute__((aligned(64)));
   const __m512i rows = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32((int)G));
   for (int64_t i = 0; i < n; i += 16) {
-    const bf16_t* ki = st->tile[b] + i * D;
+    const bf16_t* ki = st->tile + i * D;
     _tile_zero(0);
-    for (int64_t c = 0; c < D / 32; c += 2) {
-      _tile_loadd(4, ki + 32 * c, D * 2);
-      _tile_loadd(6, qp + 16 * c * G, G * 4);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, ki + 32 * (c + 1), D * 2);
-      _tile_loadd(7, qp + 16 * (c + 1) * G, G * 4);
-      _tile_dpbf16ps(0, 5, 7);
+    for (int64_t c = 0; c < D / 32; c++) {
+      _tile_loadd(1, ki + 32 * c, D * 2);
+      _tile_loadd(2, qp + 16 * c * G, G * 4);
+      _tile_dpbf16ps(0, 1, 2);
     }
     _tile_stored(0, s, G * 4);
     const __mmask16 m = first_lanes(n - i);
-    const __m512 f = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, st->sc[b] + i),
+    const __m512 f = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, st->sc + i),
                                    _mm512_set1_ps(a->scale));
     for (int64_t g = 0; g < G; g++) { /* the scores [keys][G] to the rows [G][keys] */
       const __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32((int)g));
       const __m512 dot = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, at, s, 4);
-      _mm512_mask_storeu_ps(st->out[b] + g * rf + i, m, _mm512_mul_ps(dot, f));
+      _mm512_mask_storeu_ps(out + g * os + i, m, _mm512_mul_ps(dot, f));
     }
   }
 }
-INLINE void amx_values(int b, const int64_t D) {
-  amx_state* st = amx_at;
-  const int64_t n = st->n[b];
-  for (int64_t dc = 0; dc < D; dc += 64) {
-    float* ad = st->out[b] + dc;
-    _tile_loadd(0, ad, D * 4);
-    _tile_loadd(1, ad + 16, D * 4);
-    _tile_loadd(2, ad + 32, D * 4);
-    _tile_loadd(3, ad + 48, D * 4);
-    for (int64_t i0 = 0; i0 < n; i0 += 16) {
-      __m512i(*vp)[TILE_KEYS / 2] = st->vp[b] + dc / 16;
-      _tile_loadd(4, st->wt[b] + i0, TILE_KEYS * 2);
-      _tile_loadd(5, vp[0] + i0 / 2, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, vp[1] + i0 / 2, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, vp[2] + i0 / 2, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, vp[3] + i0 / 2, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, ad, D * 4);
-    _tile_stored(1, ad + 16, D * 4);
-    _tile_stored(2, ad + 32, D * 4);
-    _tile_stored(3, ad + 48, D * 4);
-  }
-}
-/* The products of the block decoded last, if any. */
-INLINE void amx_pending(const decode_args* a, int pass, const int64_t D, const int64_t G) {
+/* The pending value products, if any: their partial sums += weights . value pairs. */
+INLINE void amx_values(const int64_t D) {
   amx_state* st = amx_at;
   if (!st->pending) return;
-  if (pass == 0) amx_scores(a, 1 - st->next, D, G);
-  else amx_values(1 - st->next, D);
+  for (int64_t dc = 0; dc < D; dc += 32) {
+    float* ad = st->out + dc;
+    __m512i(*vp)[TILE_KEYS / 2] = st->vp + dc / 16;
+    _tile_loadd(3, ad, D * 4);
+    _tile_loadd(4, ad + 16, D * 4);
+    for (int64_t i0 = 0; i0 < st->n; i0 += 16) {
+      _tile_loadd(5, st->wt + i0, TILE_KEYS * 2);
+      _tile_loadd(6, vp[0] + i0 / 2, 64);
+      _tile_dpbf16ps(3, 5, 6);
+      _tile_loadd(7, vp[1] + i0 / 2, 64);
+      _tile_dpbf16ps(4, 5, 7);
+    }
+    _tile_stored(3, ad, D * 4);
+    _tile_stored(4, ad + 16, D * 4);
+  }
   st->pending = 0;
 }
-/* PHASE for the AMX kernels. */
+/* PHASE for the AMX kernels: before the pass (0) the query pairs, shared out by (sequence,
+   KV head), and the tiles configured; after it (1) the last value products. */
 INLINE void amx_phase(const decode_args* a, int phase, const int64_t D, const int64_t G) {
-  if (phase == 0) { /* the query pairs, shared out by (sequence, KV head) */
+  if (phase == 0) {
     _Pragma("omp for schedule(static)")
     for (int64_t r0 = 0; r0 < a->num_seqs * a->num_heads; r0 += G) {
       uint32_t* qp = query_pairs(a, r0);
@@ -1721,44 +1858,36 @@ INLINE void amx_phase(const decode_args* a, int phase, const int64_t D, const in
       }
     }
     amx_at = amx_state_of(a, omp_get_thread_num());
-  }
-  if (phase % 2 == 0) {
-    amx_configure(phase / 2, G);
-    amx_at->pending = amx_at->next = 0;
+    amx_at->pending = 0;
+    amx_configure(G);
   } else {
-    amx_pending(a, phase / 2, D, G);
-    if (phase == 3) _tile_release();
+    amx_values(D);
+    _tile_release();
   }
 }
 #define DEFINE_AMX_ROWS(FMT, F)                                                       \
 INLINE void score_rows_amx_##FMT(const decode_args* a, const uint8_t* k, int64_t ks,         \
-                                 int64_t n, int64_t r0, float* out, int64_t rf,              \
+                                 int64_t n, int64_t r0, float* out, int64_t os,              \
                                  const int64_t D, const int64_t G) {                         \
   amx_state* st = amx_at;                                                                    \
-  const int b = st->next;                                                                    \
-  dequant_##FMT##_planes(k, ks, n, a->lut, st->tile[b], st->sc[b], D);                       \
-  amx_pending(a, 0, D, G);                                                                   \
-  st->qp[b] = query_pairs(a, r0);                                                            \
-  st->out[b] = out;                                                                          \
-  st->rf[b] = rf;                                                                            \
-  st->n[b] = n;                                                                              \
-  st->pending = 1;                                                                           \
-  st->next = 1 - b;                                                                          \
+  dequant_##FMT##_planes(k, ks, n, a->lut, st->tile, st->sc, D);                             \
+  amx_values(D); /* the last step's, while this step's rows reach the cache */              \
+  amx_scores(a, query_pairs(a, r0), n, out, os, D, G);                                       \
 }                                                                                            \
 INLINE void value_rows_amx_##FMT(const decode_args* a, const uint8_t* v, int64_t vs,         \
-                                 int64_t n, float* w, int64_t rf, float* acc,                \
+                                 int64_t n, float* w, int64_t ws, float* acc,                \
                                  const int64_t D, const int64_t G) {                         \
+  (void)a;                                                                                   \
   amx_state* st = amx_at;                                                                    \
-  const int b = st->next;                                                                    \
   float sc[TILE_KEYS];                                                                       \
   for (int64_t i = 0; i < n; i++) sc[i] = row_scale(v + i * vs, D);                          \
-  scaled_weights_bf16(w, rf, sc, n, G, st->wt[b]);                                           \
+  scaled_weights_bf16(w, ws, sc, n, G, st->wt);                                              \
   const q8_lut t = q8_lut_load(F);                                                           \
   const __m512i lo_index = interleave_index();                                               \
   const __m512i hi_index = _mm512_add_epi8(lo_index, _mm512_set1_epi8(32));                  \
   const int64_t pairs = (n + 15) / 16 * 8; /* whole chunks of 16 keys, zeros past n */       \
   for (int64_t dc = 0; dc < D; dc += 64) {                                                   \
-    __m512i(*vp)[TILE_KEYS / 2] = st->vp[b] + dc / 16;                                       \
+    __m512i(*vp)[TILE_KEYS / 2] = st->vp + dc / 16;                                          \
     for (int64_t p = 0; p < pairs; p++) {                                                    \
       const int64_t i = 2 * p;                                                               \
       if (i >= n) {                                                                          \
@@ -1773,14 +1902,12 @@ INLINE void value_rows_amx_##FMT(const decode_args* a, const uint8_t* v, int64_t
       q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, hi_index, y), F, &vp[2][p], &vp[3][p]);     \
     }                                                                                        \
   }                                                                                          \
-  amx_pending(a, 1, D, G);                                                                   \
-  st->out[b] = acc;                                                                          \
-  st->n[b] = n;                                                                              \
+  st->out = acc;                                                                             \
+  st->n = n;                                                                                 \
   st->pending = 1;                                                                           \
-  st->next = 1 - b;                                                                          \
 }                                                                                            \
-DEFINE_Q8_KERNEL(kernel_q8_bf16_##FMT##_amx, bf16, TILE_KEYS, amx_phase,                         \
-                 score_rows_amx_##FMT, value_rows_amx_##FMT, 1)                              \
+DEFINE_Q8_ONLINE_KERNEL(kernel_q8_bf16_##FMT##_amx, bf16, TILE_KEYS, amx_phase,              \
+                        score_rows_amx_##FMT, value_rows_amx_##FMT, 1)                       \
 DISPATCH_Q8(run_q8_bf16_##FMT##_amx, kernel_q8_bf16_##FMT##_amx)
 DEFINE_AMX_ROWS(int8, 0)
 DEFINE_AMX_ROWS(e4m3, 1)
@@ -1893,10 +2020,25 @@ Q8_ENTRY(f32, e5m2, q8_f32_lut)
 Q8_ENTRY(bf16, int8, q8_bf16_int8)
 Q8_ENTRY(bf16, e4m3, q8_bf16_lut)
 Q8_ENTRY(bf16, e5m2, q8_bf16_lut)
+/* The workspace's size in floats for a step of these dimensions (cpu_kernel.decode_workspace
+   allocates it; 64-byte aligned): the rows (row_floats), num_threads partial sums per row,
+   the query areas, and with the AMX kernels in the build each thread's state. */
+int64_t paged_decode_workspace_floats(int64_t num_seqs, int64_t num_heads, int64_t head_dim,
+                                      int64_t max_seq_len, int64_t num_threads) {
+  decode_args a;
+  memset(&a, 0, sizeof a);
+  a.num_seqs = num_seqs, a.num_heads = num_heads, a.head_dim = head_dim;
+  a.max_seq_len = max_seq_len, a.num_threads = num_threads;
+  const int64_t rows = num_seqs * num_heads;
+  const int64_t floats = (rows * row_floats(&a) + num_threads * rows * head_dim
+                          + rows * (head_dim / 2 + 2) + 15) / 16 * 16;
 #ifdef USE_Q8_AMX
-int64_t paged_decode_amx_state_floats(void) { return AMX_STATE_FLOATS; }
+  return floats + num_threads * AMX_STATE_FLOATS;
 #else
-int64_t paged_decode_amx_state_floats(void) { return 0; }
+  return floats;
+#endif
+}
+#ifndef USE_Q8_AMX
 int paged_decode_amx(int on) { (void)on; return 0; }
 #endif
 /* Whether int8 caches take the AVX512-VNNI kernel (where the build has it; before the AMX

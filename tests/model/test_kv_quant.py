@@ -375,17 +375,59 @@ def test_vnni_int8_matches_the_reference(head_dim, num_heads, num_kv_heads, bloc
     q, cache, outs, expected = int8_step_both_ways(
         cpu_kernel.use_vnni_int8, "AVX512-VNNI", True, head_dim, num_heads, num_kv_heads,
         block_size, window)
-    scale = head_dim ** -0.5
+    errors = [(out.double() - expected).abs() for out in outs]
+    assert (errors[0] <= vnni_int8_bound(q, cache, head_dim, expected)).all()
+    assert errors[0].mean() <= errors[1].mean()
+
+
+def vnni_int8_bound(q, cache, head_dim, expected):
+    """How far the AVX512-VNNI int8 kernel's bfloat16 outputs may be from the float64
+    reference ``expected`` (test_vnni_int8_matches_the_reference says why), per element."""
     keys, values = kv_quant.dequantized_cache(cache)
     largest_key, largest_value = keys.abs().max().item(), values.abs().max().item()
-    score_error = head_dim * largest_key * q.abs().max().item() * scale / 65278
+    score_error = head_dim * largest_key * q.abs().max().item() * head_dim ** -0.5 / 65278
     row_scales = cache.value[..., head_dim:].contiguous().view(torch.bfloat16).double()
     bound = (2.1 * score_error * largest_value + 32 * 127 * row_scales.max().item() / 65534
              + 2 ** -16 * largest_value)  # the last: the float32 scores and exp
-    half_ulp = 2.0 ** (torch.floor(torch.log2(expected.abs() + bound)) - 8)
-    errors = [(out.double() - expected).abs() for out in outs]
-    assert (errors[0] <= half_ulp + bound).all()
-    assert errors[0].mean() <= errors[1].mean()
+    return 2.0 ** (torch.floor(torch.log2(expected.abs() + bound)) - 8) + bound
+
+
+@pytest.mark.parametrize("threads", [1, 3, 20])
+@pytest.mark.parametrize("batch", [[(0, 1), (1, 1), (2, 1)],
+                                   [(0, 1), (40, 1), (99, 1), (300, 1), (511, 1)]])
+def test_vnni_int8_single_pass_merges_its_threads(threads, batch, monkeypatch):
+    """The AVX512-VNNI int8 kernel runs in one pass: each thread keeps a running maximum,
+    sum and partial sum per row (the maximum and sum in the rows' place in the workspace,
+    which has room for two floats per thread even where the contexts are shorter than that),
+    merged after. With 1, 3 and 20 threads (a sequence's blocks on several of them), short
+    contexts and long ones, and a workspace of exactly decode_workspace's size with a guard
+    after it: the guard is untouched, and the outputs are within the kernel's bound of the
+    float64 reference and as the one-thread outputs up to the merge's float rounding."""
+    if not cpu_kernel.available() or not cpu_kernel.use_vnni_int8():
+        pytest.skip("no AVX512-VNNI int8 kernel in this build")
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+        batch, 16, torch.bfloat16, "int8", num_heads=12, num_kv_heads=4, head_dim=64, seed=5)
+    scale = 64 ** -0.5
+    one = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, None)
+    buffers = []
+
+    def exact(numel):
+        buffers.append((numel, torch.full((numel + 4096,), 7.0)))
+        return buffers[-1][1]
+    monkeypatch.setattr(cpu_kernel._KERNEL, "scratch", exact)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = quantized_backend.paged_attention(q, k, v, cache, metadata, scale, None)
+        path = cpu_kernel.vector_paths()["8-bit"]
+    finally:
+        torch.set_num_threads(previous)
+    assert "VNNI" in path and buffers
+    for numel, buffer in buffers:
+        assert (buffer[numel:] == 7.0).all()
+    expected = reference(q, cache, batch, seq_lens, tables, scale, None)
+    assert ((out.double() - expected).abs() <= vnni_int8_bound(q, cache, 64, expected)).all()
+    torch.testing.assert_close(out.float(), one.float(), atol=1e-3, rtol=2 ** -7)
 
 
 def test_near_prefetch_is_on_by_default_on_intel_cpus_only():
