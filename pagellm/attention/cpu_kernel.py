@@ -111,9 +111,10 @@ def use_amx(on: bool | None = None) -> bool:
 
 def use_vnni_int8(on: bool | None = None) -> bool:
     """Whether int8 caches (bfloat16 queries, head_dim % 64 == 0) take the AVX512-VNNI
-    kernel, which multiplies the codes as stored, as integers, in both passes: the query
+    kernel, which multiplies the codes as stored, as integers, for the scores and the
+    weighted sum, in one pass over the context (see paged_decode.c): the query
     heads in 16-bit fixed point of their largest element, the softmax weights times the value
-    rows' scales in 15-bit fixed point of each (block, head)'s largest (see paged_decode.c).
+    rows' scales in 15-bit fixed point of each (block, head)'s largest.
     On by default where the build has it, also where the AMX kernels run (it is faster than
     their bfloat16 products on an AMX Xeon: docs/BENCHMARKS.md). ``on`` False turns it off
     (the AMX or table kernels run), True back on, None only asks."""

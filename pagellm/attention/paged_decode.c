@@ -31,7 +31,8 @@
      to 3 query heads, float32 FMAs (see "AVX2 inner loops");
    - portable C otherwise (any head_dim; -DPAGELLM_PORTABLE forces it, so tests cover both);
    - and for the 8-bit caches with bfloat16 queries, on CPUs with AMX-BF16 where Linux grants
-     the tile registers, the dot products of both passes on the tiles ("AMX" below).
+     the tile registers, the dot products of scores and weighted sum on the tiles ("AMX"
+     below).
    head_dim 64 and 128 and group sizes 1, 2, 3, 4 and 8 are compiled with constant trip
    counts; other shapes take a generic instance. */
 #include <stdint.h>
@@ -1513,17 +1514,17 @@ INLINE float weight_step(__m512 x0, __m512 x1, float full, float* to_codes) {
   return non_finite(x0) | non_finite(x1) ? __builtin_nanf("") : mx > 0.0f ? mx / full : 0.0f;
 }
 #ifdef USE_Q8_VNNI
-/* AVX512-VNNI, int8 caches (bfloat16 queries, head_dim a multiple of 64): both passes
+/* AVX512-VNNI, int8 caches (bfloat16 queries, head_dim a multiple of 64): both products
    multiply the codes as they are stored, as integers, instead of their bfloat16 values: no
    decoding, and the scores' keys in lanes instead of a reduction tree.
-   Pass 1: each query head in 16-bit fixed point of its largest |q|, q16 = round(q * 32639 /
+   Scores: each query head in 16-bit fixed point of its largest |q|, q16 = round(q * 32639 /
    max|q|) = 256 qh + ql with qh, ql signed bytes (laid out once per call, vnni_queries), and
    the key codes k as unsigned bytes k + 128: VPDPBUSD sums four dimensions of 16 keys at a
    time (the key rows' 4-byte groups transposed, 16 x 16, so that lane j is key j), hi and lo
    separately; 256 hi + lo - 128 sum(q16) = sum(q16 k), exact in int32 (wrapping in between).
    The score is that times the key row's scale and max|q| / 32639; each query element is off
    by at most max|q| / 65278 where the bfloat16 query is exact.
-   Pass 2: the scaled weights x_i = w_i * sc_i (>= 0) of a head in 15-bit fixed point of their
+   Values: the scaled weights x_i = w_i * sc_i (>= 0) of a head in 15-bit fixed point of their
    maximum m over the (block, head) step, u = round(x * 32767 / m), key pairs (u_i, u_i+1)
    against the two keys' codes widened to 16 bits (VPDPWSSD), sums exact in int32 (at most
    32 keys * 32767 * 127), then out += (m / 32767) sum. Each weight is off by at most

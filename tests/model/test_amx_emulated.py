@@ -1,9 +1,10 @@
-"""paged_decode.c's AMX kernels (8-bit caches: the tile products of both passes) on a CPU
-without AMX: the kernel's source built after amx_emulation.h,
-which implements the tile instructions in plain C, and test_kv_quant's AMX tests (and its
-non-finite query test, on every 8-bit path) run against that build. So the AMX kernels' logic (layouts, tile shapes, the deferred products,
-the scaled weights) is checked on every AVX-512 CPU with BF16 and VBMI, not only on
-the AMX Xeons, which run the same tests natively in test_kv_quant.
+"""paged_decode.c's AMX kernels (8-bit caches: the tile products of scores and values) on a
+CPU without AMX: the kernel's source built after amx_emulation.h, which implements the tile
+instructions in plain C, and test_kv_quant's AMX tests (and its non-finite query test, on
+every 8-bit path) run against that build. So the AMX kernels' logic (layouts, tile shapes,
+the deferred value products, the scaled weights, the single pass) is checked on every
+AVX-512 CPU with BF16 and VBMI, not only on the AMX Xeons, which run the same tests natively
+in test_kv_quant.
 """
 from __future__ import annotations
 
