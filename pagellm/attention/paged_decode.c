@@ -17,9 +17,9 @@
    leave gaps. A sequence's blocks may fall to several threads: scores land in disjoint
    places of its row, and pass 2 accumulates into one partial sum per thread, added up at the
    end. Barriers separate pass 1, the softmax (by rows), pass 2 and the final sum.
-   The 8-bit kernels with AVX512-VBMI (the table, AVX512-VNNI and AMX ones) run in a single
-   pass instead (DEFINE_Q8_ONLINE_KERNEL): each (block, KV head) step's scores become its
-   weights against a running maximum at once, and each thread's rows are merged at the end.
+   The 8-bit caches' kernels run in a single pass instead (DEFINE_Q8_ONLINE_KERNEL): each
+   (block, KV head) step's scores become its weights against a running maximum at once, and
+   each thread's rows are merged at the end.
 
    Inner loops, chosen at compile time:
    - AVX-512 (head_dim a multiple of 32, at most 256): 16 keys' dot products at a time,
@@ -1214,223 +1214,179 @@ DEFINE_VALUE_PLANES(value_e4m3_planes, 1)
 DEFINE_VALUE_PLANES(value_e5m2_planes, 2)
 #endif
 
-/* One thread's part, as DEFINE_KERNEL's, over 8-bit rows of R = D + 2 bytes, KEYS rows of a
-   (block, KV head) at a time: SCORE_ROWS in pass 1 and VALUE_ROWS in pass 2 over the rows for
-   the G query heads of the KV head (first row r0 of the workspace). PHASE(a, k, D, G) runs in
-   each thread before (k = 0, 2) and after (k = 1, 3) its share of pass 1 and pass 2.
-   NEAR (1 or 0): the near prefetch, where paged_decode_near_prefetch turns it on. While a
-   (pair, KV head) is worked, its share of the next pair's block is brought into L1
-   (prefetcht0) through the cursor's second range, on top of the far prefetch into L2 of
-   the block PREFETCH_AHEAD pairs ahead: by the end of a pair the next one's block is in L1.
-   Measured on an AMX Xeon (docs/BENCHMARKS.md, "The near prefetch"), the K/V read from
-   memory as a model step reads them: int8 (AVX512-VNNI) 6-9% faster per key, fp8 (AMX)
-   3-6%; with the K/V in L2 or L3, within 2%; bfloat16 gains nothing from it. Only the VNNI
-   and AMX kernels (those measured) take it. */
-#ifdef PART_Q8
-static int near_prefetch_wanted = 0;
-#endif
-#define DEFINE_Q8_KERNEL(NAME, QT, KEYS, PHASE, SCORE_ROWS, VALUE_ROWS, NEAR)                \
-INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
-  const int64_t KVH = a->num_kv_heads, H = a->num_heads;                                     \
-  const int64_t bs = a->block_size, rf = row_floats(a), R = D + 2;                           \
-  const int64_t block_bytes = bs * KVH * R;                                                  \
-  const int sliced = bs > SLICE_KEYS; /* else the block is one slice */                      \
-  const int near = (NEAR) && near_prefetch_wanted;                                           \
-  float* rows = a->workspace;                                                                \
-  {                                                                                          \
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                     \
-    const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;              \
-    for (int pass = 0; pass < 2; pass++) {                                                   \
-      PHASE(a, 2 * pass, D, G);                                                              \
-      const uint8_t* cache = (const uint8_t*)(pass == 0 ? a->k_cache : a->v_cache);          \
-      for (int64_t p = pb; p < pe; p++) {                                                    \
-        const char* ahead = p + PREFETCH_AHEAD < pe                                          \
-            ? (const char*)(cache + a->pair_phys[p + PREFETCH_AHEAD] * block_bytes) : 0;      \
-        int64_t lo;                                                                          \
-        const int64_t hi = pair_keys(a, p, &lo), s = a->pair_seq[p];                         \
-        const uint8_t* block = cache + a->pair_phys[p] * block_bytes;                        \
-        for (int64_t h = 0; h < KVH; h++) {                                                  \
-          if (ahead) {                                                                       \
-            if (!sliced) prefetch_keys(ahead, block_bytes, h, KVH, bs, 0, bs);               \
-            prefetch_rows(a, p + PREFETCH_AHEAD, h, G, pass, 0, t);                          \
-          }                                                                                  \
-          if (near && p + 1 < pe) /* the next pair's block into L1, a share per KV head */   \
-            prefetch_near((const char*)(cache + a->pair_phys[p + 1] * block_bytes)          \
-                          + h * bs * R, bs * R);                                             \
-          const int64_t r0 = s * H + h * G;                                                  \
-          for (int64_t j = 0; j < bs; j += SLICE_KEYS) { /* one slice unless sliced */       \
-            const int64_t k0s = sliced && j > lo ? j : lo;                                   \
-            const int64_t k1s = sliced && j + SLICE_KEYS < hi ? j + SLICE_KEYS : hi;         \
-            if (ahead && sliced) prefetch_keys(ahead, block_bytes, h, KVH, bs, j,            \
-                                               j + SLICE_KEYS < bs ? j + SLICE_KEYS : bs);   \
-            for (int64_t k0 = k0s; k0 < k1s; k0 += KEYS) {                                   \
-              const int64_t n = k1s - k0 < KEYS ? k1s - k0 : KEYS;                           \
-              float* w = rows + r0 * rf + a->pair_block[p] * bs + k0; /* key k0's place */   \
-              const uint8_t* kv = block + (k0 * KVH + h) * R;                                \
-              if (pass == 0) SCORE_ROWS(a, kv, KVH * R, n, r0, w, rf, D, G);                 \
-              else VALUE_ROWS(a, kv, KVH * R, n, w, rf, partial_sum(a, t, r0), D, G);        \
-            }                                                                                \
-            if (!sliced) break;                                                              \
-          }                                                                                  \
-          prefetch_flush(); /* what the loops left of this head's share */                   \
-        }                                                                                    \
-      }                                                                                      \
-      PHASE(a, 2 * pass + 1, D, G);                                                          \
-      if (pass == 0) softmax_rows(a, nt, 0);                                                 \
-    }                                                                                        \
-    reduce_rows(a, nt, sizeof(QT) == 2);                                                     \
-  }                                                                                          \
-}
-INLINE void no_phase(const decode_args* a, int phase, const int64_t D, const int64_t G) {
-  (void)a; (void)phase; (void)D; (void)G;
-}
-/* The tile kernels' row passes: DEQUANT decodes the rows into a tile (on the stack), then the
-   inner loops SCORE (per query head) or VALUE (all G) run over it. */
-#define DEFINE_TILE_ROWS(NAME, QT, TT, DEQUANT, SCORE, VALUE)                                \
-INLINE void score_rows_##NAME(const decode_args* a, const uint8_t* k, int64_t ks, int64_t n, \
-                              int64_t r0, float* out, int64_t rf, const int64_t D,           \
-                              const int64_t G) {                                             \
-  TT tile[TILE_KEYS * 256];                                                                  \
-  float sc[TILE_KEYS];                                                                       \
-  DEQUANT(k, ks, n, a->lut, tile, sc, D);                                                    \
-  for (int64_t g = 0; g < G; g++)                                                            \
-    SCORE((const QT*)a->q + (r0 + g) * D, tile, sc, n, a->scale, out + g * rf, D);           \
-}                                                                                            \
-INLINE void value_rows_##NAME(const decode_args* a, const uint8_t* v, int64_t vs, int64_t n, \
-                              float* w, int64_t rf, float* acc, const int64_t D,             \
-                              const int64_t G) {                                             \
-  TT tile[TILE_KEYS * 256];                                                                  \
-  float sc[TILE_KEYS];                                                                       \
-  DEQUANT(v, vs, n, a->lut, tile, sc, D);                                                    \
-  VALUE(w, rf, tile, sc, n, acc, D, G);                                                      \
-}
-/* Instances: literal head_dim only (any group size; the 16-bit kernels' G literals would
-   double the compile time), portable ones generic. */
-#define DISPATCH_Q8(NAME, KERNEL)                                                            \
-static void NAME(const decode_args* a) {                                                     \
-  const int64_t G = a->num_heads / a->num_kv_heads;                                          \
-  if (a->head_dim == 64) PARALLEL(KERNEL, 64, G)                                             \
-  if (a->head_dim == 128) PARALLEL(KERNEL, 128, G)                                           \
-  PARALLEL(KERNEL, a->head_dim, G)                                                           \
-}
-#define Q8_INSTANCE(NAME, QT, TT, DEQUANT, OPS)                                              \
-  DEFINE_TILE_ROWS(NAME, QT, TT, DEQUANT, score_tile_##OPS, value_tile_##OPS)                \
-  DEFINE_Q8_KERNEL(kernel_##NAME, QT, TILE_KEYS, no_phase, score_rows_##NAME,                 \
-                   value_rows_##NAME, 0)                                                     \
-  DISPATCH_Q8(run_##NAME, kernel_##NAME)
-#ifdef PART_Q8
-typedef bf16_t bf16;
-typedef float f32;
-DEFINE_F32_TILE_OPS(f32_portable, float, load_f32, score_f32_portable, value_f32_portable)
-DEFINE_F32_TILE_OPS(bf16_portable, bf16_t, load_bf16, score_f32_portable, value_f32_portable)
-Q8_INSTANCE(q8_f32_int8, f32, float, dequant_int8_portable, f32_portable)
-Q8_INSTANCE(q8_f32_lut, f32, float, dequant_lut_portable, f32_portable)
-Q8_INSTANCE(q8_bf16_int8, bf16, float, dequant_int8_portable, bf16_portable)
-Q8_INSTANCE(q8_bf16_lut, bf16, float, dequant_lut_portable, bf16_portable)
-#ifdef USE_Q8_AVX512
-DEFINE_F32_TILE_OPS(f32_avx512, float, load_f32, score_f32_tile_avx512, value_f32_avx512)
-DEFINE_F32_TILE_OPS(bf16_avx512, bf16_t, load_bf16, score_f32_tile_avx512, value_f32_avx512)
-Q8_INSTANCE(q8_f32_int8_avx512, f32, float, dequant_int8_avx512, f32_avx512)
-Q8_INSTANCE(q8_f32_e4m3_avx512, f32, float, dequant_e4m3_avx512, f32_avx512)
-Q8_INSTANCE(q8_f32_e5m2_avx512, f32, float, dequant_e5m2_avx512, f32_avx512)
-Q8_INSTANCE(q8_bf16_int8_avx512, bf16, float, dequant_int8_avx512, bf16_avx512)
-Q8_INSTANCE(q8_bf16_e4m3_avx512, bf16, float, dequant_e4m3_avx512, bf16_avx512)
-Q8_INSTANCE(q8_bf16_e5m2_avx512, bf16, float, dequant_e5m2_avx512, bf16_avx512)
-#endif
-#ifdef USE_AVX512_BF16
-Q8_INSTANCE(q8_bf16_int8_bf16dp, bf16, bf16_t, dequant_int8_bf16, bf16)
-Q8_INSTANCE(q8_bf16_e4m3_bf16dp, bf16, bf16_t, dequant_e4m3_bf16, bf16)
-Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
-/* The single-pass ("online") form of DEFINE_Q8_KERNEL, for the kernels whose value loop
-   takes any weights (the AVX512-VNNI one: it brings them to fixed point per step itself).
-   Each (block, KV head) step computes its KEYS keys' scores into registers and a buffer on
+/* The single-pass ("online") form of DEFINE_KERNEL for the 8-bit caches, whose value loops
+   take any weights (times the rows' scales, rounded or in fixed point per step by the loops
+   themselves). Each (block, KV head) step computes its KEYS keys' scores into a buffer on
    the stack, turns them into weights exp(score - m) against the thread's running maximum m
    of the row (rescaling the row's partial sum and running sum by exp(m_old - m) where the
    maximum grew), and adds the weighted value rows at once: the scores never go to the
-   workspace, and the softmax pass between the passes, with its barrier and its reads and
-   writes of every row's scores, goes away. Each thread's rows end with (m, sum, partial
-   sum); reduce_rows_online merges them. The K and V blocks of a pair are read one after
-   the other, each with its own far and near prefetches. A 64 x 512 step over 12 layers of
-   int8 caches from memory: see docs/BENCHMARKS.md, "A single pass". */
+   workspace, and the softmax pass between two passes, with its barrier and its reads and
+   writes of every row's scores, is not needed. Each thread's rows end with (m, sum, partial
+   sum); reduce_rows_online merges them. The K and V blocks of a pair are read one after the
+   other, each with its own far and near prefetches. On an AMX Xeon, 64 x 512 over 12 layers
+   of caches from memory: int8 0.58x -> 0.45x of bfloat16's time (one thread), fp8 0.65x ->
+   0.58x (docs/BENCHMARKS.md, "A single pass"). */
 /* Thread t's running maximum and sum of row r ([0], [1]; [1] = -1: not touched yet), in the
-   rows' place: each thread's pairs side by side. */
+   rows' place: each thread's pairs side by side (a line written by both cores, or two
+   neighbouring ones, cost a fifth of the time with two threads there). */
 INLINE float* online_state(const decode_args* a, int64_t t, int64_t r) {
   return a->workspace + 2 * (t * a->num_seqs * a->num_heads + r);
 }
-/* The scores w[g * KEYS + i] (i < n) of G rows r0.. into weights exp(w - m) against each
-   row's running maximum m (taking in the new scores), their sum added to the running sum,
-   the rows' partial sums acc (G x D) rescaled where m grew, or zeroed on a first touch.
-   A NaN score makes the row's maximum NaN, and so its output. */
+#ifdef USE_AVX2
+INLINE float hmax256(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+INLINE float hsum256(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#endif
+/* The largest of the n scores w[0, n) (NaN if one is), and their weights exp(w - m) in
+   place, lanes past n zero up to the next 16 (*sum their sum). */
+INLINE float block_max(const float* w, int64_t n) {
+#if defined(USE_AVX512)
+  __m512 mx = _mm512_set1_ps(-__builtin_inff());
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(k, w + i);
+    nan |= _mm512_mask_cmp_ps_mask(k, x, x, _CMP_UNORD_Q);
+    mx = _mm512_mask_max_ps(mx, k, mx, x);
+  }
+  return nan ? __builtin_nanf("") : _mm512_reduce_max_ps(mx);
+#elif defined(USE_AVX2)
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 mx = _mm256_set1_ps(-__builtin_inff());
+  int nan = 0;
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 in = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)),
+                                                             iota));
+    const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()),
+                                      _mm256_loadu_ps(w + i), in);
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    mx = _mm256_max_ps(mx, x);
+  }
+  return nan ? __builtin_nanf("") : hmax256(mx);
+#else
+  float mx = -__builtin_inff();
+  for (int64_t i = 0; i < n; i++) {
+    if (w[i] != w[i]) return __builtin_nanf("");
+    mx = w[i] > mx ? w[i] : mx;
+  }
+  return mx;
+#endif
+}
+INLINE float block_weights(float* w, int64_t n, float m) {
+  const int64_t end = (n + 15) / 16 * 16;
+#if defined(USE_AVX512)
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < end; i += 16) {
+    const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp512_u20(_mm512_sub_ps(
+        _mm512_maskz_loadu_ps(k, w + i), _mm512_set1_ps(m))));
+    _mm512_storeu_ps(w + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+#elif defined(USE_AVX2)
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < end; i += 8) {
+    const __m256 in = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32((int)(n - i < 0 ? 0 : n - i)), iota));
+    const __m256 e = _mm256_and_ps(in, exp256_u20(_mm256_sub_ps(
+        _mm256_blendv_ps(_mm256_set1_ps(m), _mm256_loadu_ps(w + i), in), _mm256_set1_ps(m))));
+    _mm256_storeu_ps(w + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return hsum256(sum);
+#else
+  float sum = 0.0f;
+  for (int64_t i = 0; i < end; i++) {
+    w[i] = i < n ? exp_u20(w[i] - m) : 0.0f;
+    sum += w[i];
+  }
+  return sum;
+#endif
+}
+/* The scores w[g * KEYS + i] (i < n) of G rows r0.. into weights against each row's running
+   maximum m (taking in the new scores), their sum added to the running sum, the rows'
+   partial sums acc (G x D) rescaled where m grew, or zeroed on a first touch. A NaN score
+   makes the row's maximum NaN, and so its output. */
 INLINE void online_weights(const decode_args* a, int64_t t, int64_t r0, float* w,
                            const int64_t KEYS, int64_t n, float* acc, const int64_t D,
                            const int64_t G) {
   for (int64_t g = 0; g < G; g++) {
     float* st = online_state(a, t, r0 + g);
     float* wg = w + g * KEYS;
-    float* ag = acc + g * D;
-    __m512 mx = _mm512_set1_ps(-__builtin_inff());
-    __mmask16 nan = 0;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 x = _mm512_maskz_loadu_ps(first_lanes(n - i), wg + i);
-      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-      mx = _mm512_mask_max_ps(mx, first_lanes(n - i), mx, x);
-    }
-    const float old = st[0], block = nan ? __builtin_nanf("") : _mm512_reduce_max_ps(mx);
+    float* restrict ag = acc + g * D;
+    const float old = st[0], block = block_max(wg, n);
     const float m = block > old || block != block ? block : old;
     if (st[1] < 0.0f) { /* first touch: nothing to rescale */
       memset(ag, 0, D * sizeof(float));
       st[1] = 0.0f;
     } else if (m > old) {
       const float f = exp_u20(old - m);
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(ag + d, _mm512_mul_ps(_mm512_loadu_ps(ag + d), _mm512_set1_ps(f)));
+      for (int64_t d = 0; d < D; d++) ag[d] *= f;
       st[1] *= f;
     }
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 k = first_lanes(n - i);
-      const __m512 e = _mm512_maskz_mov_ps(k, exp512_u20(_mm512_sub_ps(
-          _mm512_maskz_loadu_ps(k, wg + i), _mm512_set1_ps(m))));
-      _mm512_storeu_ps(wg + i, e); /* lanes past n zero, up to the next 16 */
-      sum = _mm512_add_ps(sum, e);
-    }
     st[0] = m;
-    st[1] += _mm512_reduce_add_ps(sum);
+    st[1] += block_weights(wg, n, m);
   }
 }
 /* After the single pass, on every thread: each row's threads' (m_t, sum_t, partial sum_t)
-   merged, out = sum_t exp(m_t - M) acc_t / sum_t exp(m_t - M) sum_t with M = max m_t. */
+   merged, out = sum_t exp(m_t - M) acc_t / sum_t exp(m_t - M) sum_t with M = max m_t (an
+   untouched thread's partial sum is not even read). */
 INLINE void reduce_rows_online(const decode_args* a, int64_t nt, int bf16_out) {
   const int64_t D = a->head_dim;
   _Pragma("omp barrier")
   _Pragma("omp for schedule(static)")
   for (int64_t r = 0; r < a->num_seqs * a->num_heads; r++) {
-    float top = -__builtin_inff(), total = 0.0f;
-    for (int64_t u = 0; u < nt; u++) { /* the maximum over the threads that took part */
+    float top = -__builtin_inff(), total = 0.0f, x[256];
+    for (int64_t u = 0; u < nt; u++) {
       const float* st = online_state(a, u, r);
       if (st[1] < 0.0f) continue;
       top = st[0] != st[0] || top != top ? __builtin_nanf("") : st[0] > top ? st[0] : top;
     }
+    memset(x, 0, D * sizeof(float));
     for (int64_t u = 0; u < nt; u++) {
       const float* st = online_state(a, u, r);
-      if (!(st[1] < 0.0f)) total += exp_u20(st[0] - top) * st[1];
+      if (st[1] < 0.0f) continue;
+      const float f = exp_u20(st[0] - top);
+      const float* restrict p = partial_sum(a, u, r);
+      total += f * st[1];
+      for (int64_t d = 0; d < D; d++) x[d] += p[d] * f;
     }
     const float inv = 1.0f / total;
-    for (int64_t d = 0; d < D; d += 16) {
-      __m512 x = _mm512_setzero_ps();
-      for (int64_t u = 0; u < nt; u++) { /* an untouched partial sum is not even read */
-        const float* st = online_state(a, u, r);
-        if (!(st[1] < 0.0f))
-          x = _mm512_fmadd_ps(_mm512_loadu_ps(partial_sum(a, u, r) + d),
-                              _mm512_set1_ps(exp_u20(st[0] - top)), x);
-      }
-      x = _mm512_mul_ps(x, _mm512_set1_ps(inv));
-      if (bf16_out) _mm256_storeu_si256((__m256i*)((bf16_t*)a->out + r * D + d),
-                                        (__m256i)_mm512_cvtneps_pbh(x));
-      else _mm512_storeu_ps((float*)a->out + r * D + d, x);
+    int64_t d = 0;
+#ifdef USE_AVX2
+    for (; d + 8 <= D; d += 8) {
+      const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + d), _mm256_set1_ps(inv));
+      if (bf16_out) _mm_storeu_si128((__m128i*)((bf16_t*)a->out + r * D + d), store8_bf16(y));
+      else _mm256_storeu_ps((float*)a->out + r * D + d, y);
+    }
+#endif
+    for (; d < D; d++) {
+      if (bf16_out) ((bf16_t*)a->out)[r * D + d] = store_bf16(x[d] * inv);
+      else ((float*)a->out)[r * D + d] = x[d] * inv;
     }
   }
 }
+/* NEAR (1 or 0): the near prefetch, where paged_decode_near_prefetch turns it on. While a
+   (pair, KV head) is worked, its share of the next pair's block is brought into L1
+   (prefetcht0) through the cursor's second range, on top of the far prefetch into L2 of
+   the block PREFETCH_AHEAD pairs ahead: by the end of a pair the next one's block is in L1.
+   Measured on an AMX Xeon (docs/BENCHMARKS.md, "The near prefetch"), the K/V read from
+   memory as a model step reads them: int8 (AVX512-VNNI) 6-9% faster per key, fp8 (AMX)
+   3-6%; with the K/V in L2 or L3, within 2%; bfloat16 gains nothing from it. Only the VNNI
+   and AMX kernels (those measured) take it. PHASE(a, k, D, G) runs in each thread before
+   (k = 0) and after (k = 1) its share of the pairs. */
+#ifdef PART_Q8
+static int near_prefetch_wanted = 0;
+#endif
 #define DEFINE_Q8_ONLINE_KERNEL(NAME, QT, KEYS, PHASE, SCORE_ROWS, VALUE_ROWS, NEAR)         \
 INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
   const int64_t KVH = a->num_kv_heads, H = a->num_heads;                                     \
@@ -1441,7 +1397,7 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
   const uint8_t* vc = (const uint8_t*)a->v_cache;                                            \
   const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                       \
   const int64_t pb = a->num_pairs * t / nt, pe = a->num_pairs * (t + 1) / nt;                \
-  float w[BF16_TILE_GROUP * KEYS] __attribute__((aligned(64)));                              \
+  float w[(G) * (KEYS)] __attribute__((aligned(64))); /* the step's scores, then weights */  \
   PHASE(a, 0, D, G);                                                                         \
   for (int64_t r = 0; r < a->num_seqs * H; r++) {                                            \
     float* st = online_state(a, t, r);                                                       \
@@ -1488,6 +1444,66 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
   PHASE(a, 1, D, G);                                                                         \
   reduce_rows_online(a, nt, sizeof(QT) == 2);                                                \
 }
+INLINE void no_phase(const decode_args* a, int phase, const int64_t D, const int64_t G) {
+  (void)a; (void)phase; (void)D; (void)G;
+}
+/* The tile kernels' row passes: DEQUANT decodes the rows into a tile (on the stack), then the
+   inner loops SCORE (per query head) or VALUE (all G) run over it. */
+#define DEFINE_TILE_ROWS(NAME, QT, TT, DEQUANT, SCORE, VALUE)                                \
+INLINE void score_rows_##NAME(const decode_args* a, const uint8_t* k, int64_t ks, int64_t n, \
+                              int64_t r0, float* out, int64_t rf, const int64_t D,           \
+                              const int64_t G) {                                             \
+  TT tile[TILE_KEYS * 256];                                                                  \
+  float sc[TILE_KEYS];                                                                       \
+  DEQUANT(k, ks, n, a->lut, tile, sc, D);                                                    \
+  for (int64_t g = 0; g < G; g++)                                                            \
+    SCORE((const QT*)a->q + (r0 + g) * D, tile, sc, n, a->scale, out + g * rf, D);           \
+}                                                                                            \
+INLINE void value_rows_##NAME(const decode_args* a, const uint8_t* v, int64_t vs, int64_t n, \
+                              float* w, int64_t rf, float* acc, const int64_t D,             \
+                              const int64_t G) {                                             \
+  TT tile[TILE_KEYS * 256];                                                                  \
+  float sc[TILE_KEYS];                                                                       \
+  DEQUANT(v, vs, n, a->lut, tile, sc, D);                                                    \
+  VALUE(w, rf, tile, sc, n, acc, D, G);                                                      \
+}
+/* Instances: literal head_dim only (any group size; the 16-bit kernels' G literals would
+   double the compile time), portable ones generic. */
+#define DISPATCH_Q8(NAME, KERNEL)                                                            \
+static void NAME(const decode_args* a) {                                                     \
+  const int64_t G = a->num_heads / a->num_kv_heads;                                          \
+  if (a->head_dim == 64) PARALLEL(KERNEL, 64, G)                                             \
+  if (a->head_dim == 128) PARALLEL(KERNEL, 128, G)                                           \
+  PARALLEL(KERNEL, a->head_dim, G)                                                           \
+}
+#define Q8_INSTANCE(NAME, QT, TT, DEQUANT, OPS)                                              \
+  DEFINE_TILE_ROWS(NAME, QT, TT, DEQUANT, score_tile_##OPS, value_tile_##OPS)                \
+  DEFINE_Q8_ONLINE_KERNEL(kernel_##NAME, QT, TILE_KEYS, no_phase, score_rows_##NAME,          \
+                          value_rows_##NAME, 0)                                              \
+  DISPATCH_Q8(run_##NAME, kernel_##NAME)
+#ifdef PART_Q8
+typedef bf16_t bf16;
+typedef float f32;
+DEFINE_F32_TILE_OPS(f32_portable, float, load_f32, score_f32_portable, value_f32_portable)
+DEFINE_F32_TILE_OPS(bf16_portable, bf16_t, load_bf16, score_f32_portable, value_f32_portable)
+Q8_INSTANCE(q8_f32_int8, f32, float, dequant_int8_portable, f32_portable)
+Q8_INSTANCE(q8_f32_lut, f32, float, dequant_lut_portable, f32_portable)
+Q8_INSTANCE(q8_bf16_int8, bf16, float, dequant_int8_portable, bf16_portable)
+Q8_INSTANCE(q8_bf16_lut, bf16, float, dequant_lut_portable, bf16_portable)
+#ifdef USE_Q8_AVX512
+DEFINE_F32_TILE_OPS(f32_avx512, float, load_f32, score_f32_tile_avx512, value_f32_avx512)
+DEFINE_F32_TILE_OPS(bf16_avx512, bf16_t, load_bf16, score_f32_tile_avx512, value_f32_avx512)
+Q8_INSTANCE(q8_f32_int8_avx512, f32, float, dequant_int8_avx512, f32_avx512)
+Q8_INSTANCE(q8_f32_e4m3_avx512, f32, float, dequant_e4m3_avx512, f32_avx512)
+Q8_INSTANCE(q8_f32_e5m2_avx512, f32, float, dequant_e5m2_avx512, f32_avx512)
+Q8_INSTANCE(q8_bf16_int8_avx512, bf16, float, dequant_int8_avx512, bf16_avx512)
+Q8_INSTANCE(q8_bf16_e4m3_avx512, bf16, float, dequant_e4m3_avx512, bf16_avx512)
+Q8_INSTANCE(q8_bf16_e5m2_avx512, bf16, float, dequant_e5m2_avx512, bf16_avx512)
+#endif
+#ifdef USE_AVX512_BF16
+Q8_INSTANCE(q8_bf16_int8_bf16dp, bf16, bf16_t, dequant_int8_bf16, bf16)
+Q8_INSTANCE(q8_bf16_e4m3_bf16dp, bf16, bf16_t, dequant_e4m3_bf16, bf16)
+Q8_INSTANCE(q8_bf16_e5m2_bf16dp, bf16, bf16_t, dequant_e5m2_bf16, bf16)
 #ifdef USE_Q8_PLANES
 /* The table kernels: the key tile by the tables, the value rows in place. */
 #define Q8_PLANES_INSTANCE(FMT)                                                              \
@@ -1981,8 +1997,8 @@ INLINE void value_rows_##QT##_##FMT##_avx2(const decode_args* a, const uint8_t* 
   (void)a;                                                                                   \
   value_##FMT##_avx2(w, rf, v, vs, n, acc, D, G);                                            \
 }                                                                                            \
-DEFINE_Q8_KERNEL(kernel_q8_##QT##_##FMT##_avx2, QT, TILE_KEYS, no_phase,                      \
-                 score_rows_##QT##_##FMT##_avx2, value_rows_##QT##_##FMT##_avx2, 0)          \
+DEFINE_Q8_ONLINE_KERNEL(kernel_q8_##QT##_##FMT##_avx2, QT, TILE_KEYS, no_phase,               \
+                        score_rows_##QT##_##FMT##_avx2, value_rows_##QT##_##FMT##_avx2, 0)   \
 DISPATCH_Q8(run_q8_##QT##_##FMT##_avx2, kernel_q8_##QT##_##FMT##_avx2)
 Q8_AVX2_FORMAT(int8, rs_8bit)
 Q8_AVX2_FORMAT(e4m3, rs_e4m3)
@@ -2055,8 +2071,8 @@ int paged_decode_vnni_int8(int on) {
   return 0;
 #endif
 }
-/* Whether the kernels that have it take the near prefetch (DEFINE_Q8_KERNEL): (1) on, (0)
-   off, -1 only asks. Off until turned on (cpu_kernel.py turns it on for Intel CPUs). The
+/* Whether the kernels that have it take the near prefetch (DEFINE_Q8_ONLINE_KERNEL): (1)
+   on, (0) off, -1 only asks. Off until turned on (cpu_kernel.py turns it on for Intel CPUs). The
    prefetches change no result. */
 int paged_decode_near_prefetch(int on) {
   if (on >= 0) near_prefetch_wanted = on;
