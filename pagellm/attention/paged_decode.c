@@ -1141,7 +1141,24 @@ INLINE void q8_lut_cvt(const q8_lut* t, __m512i z, const int F, __m512i* a, __m5
   *a = _mm512_permutex2var_epi8(lo, index, hi);
   *b = _mm512_permutex2var_epi8(lo, _mm512_add_epi8(index, _mm512_set1_epi8(32)), hi);
 }
-/* As DEFINE_DEQUANT_BF16 (the key rows' tile for the scores), by the tables. */
+/* 64 fp8 codes (F 1 e4m3, 2 e5m2) at r as bfloat16 by bit moves, where none of them has a
+   zero exponent field (zeros and subnormals, which the tables take): sign-extended to 16
+   bits, shifted into bfloat16's places and masked, the exponent rebiased (e4m3 by 120, e5m2
+   by 112): the tables' values, in fewer shuffles. Returns 0 where it does not apply. */
+INLINE int fp8_shift_cvt(const uint8_t* r, const int F, __m512i* a, __m512i* b) {
+  if (_mm512_testn_epi8_mask(_mm512_loadu_si512(r), _mm512_set1_epi8(F == 1 ? 0x78 : 0x7C)))
+    return 0;
+  const int shift = F == 1 ? 4 : 5;
+  const __m512i keep = _mm512_set1_epi16((short)(F == 1 ? 0x87F0 : 0x8FE0));
+  const __m512i bias = _mm512_set1_epi16((short)((F == 1 ? 120 : 112) << 7));
+  const __m512i lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)r));
+  const __m512i hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(r + 32)));
+  *a = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(lo, shift), keep), bias);
+  *b = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(hi, shift), keep), bias);
+  return 1;
+}
+/* As DEFINE_DEQUANT_BF16 (the key rows' tile for the scores), by the tables (fp8: by bit
+   moves where fp8_shift_cvt applies). */
 #define DEFINE_DEQUANT_PLANES(NAME, F)                                                       \
 INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,                    \
                  const float* restrict lut, bf16_t* restrict tile, float* restrict sc,       \
@@ -1154,7 +1171,8 @@ INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,       
     for (int64_t d = 0; d < D; d += 64) {                                                    \
       prefetch_step();                                                                       \
       __m512i x, y;                                                                          \
-      q8_lut_cvt(&t, _mm512_loadu_si512(r + d), F, &x, &y);                                  \
+      if (F == 0 || !fp8_shift_cvt(r + d, F, &x, &y))                                        \
+        q8_lut_cvt(&t, _mm512_loadu_si512(r + d), F, &x, &y);                                \
       _mm512_storeu_si512(tile + i * D + d, x);                                              \
       _mm512_storeu_si512(tile + i * D + d + 32, y);                                         \
     }                                                                                        \
@@ -1835,8 +1853,14 @@ INLINE void amx_scores(const decode_args* a, const uint32_t* qp, int64_t n, floa
     const __m512 f = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, st->sc + i),
                                    _mm512_set1_ps(a->scale));
     for (int64_t g = 0; g < G; g++) { /* the scores [keys][G] to the rows [G][keys] */
-      const __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32((int)g));
-      const __m512 dot = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, at, s, 4);
+      const __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32((int)g)); /* key j: G j + g */
+      __m512 dot = _mm512_setzero_ps();
+      for (int64_t c = 0; c < G; c += 2) { /* by permutes of s's floats 16 c.. 16 c + 31 */
+        const __m512i local = _mm512_sub_epi32(at, _mm512_set1_epi32((int)(16 * c)));
+        const __mmask16 here = _mm512_cmplt_epu32_mask(local, _mm512_set1_epi32(32));
+        dot = _mm512_mask_blend_ps(here, dot, _mm512_permutex2var_ps(
+            _mm512_load_ps(s + 16 * c), local, _mm512_load_ps(s + 16 * c + 16)));
+      }
       _mm512_mask_storeu_ps(out + g * os + i, m, _mm512_mul_ps(dot, f));
     }
   }
