@@ -430,6 +430,75 @@ def test_vnni_int8_single_pass_merges_its_threads(threads, batch, monkeypatch):
     torch.testing.assert_close(out.float(), one.float(), atol=1e-3, rtol=2 ** -7)
 
 
+@pytest.fixture(scope="module")
+def tile_kernels_build():
+    """The native build without AVX512-VBMI: its 8-bit kernels decode fp8 through float16
+    (the tile kernels), not by the tables or bit moves; skipped where the native build has no
+    table kernels to compare with."""
+    flags = native.cpu_flags()
+    if not cpu_kernel.available() or native.isa_level() != "native":
+        pytest.skip("the native CPU decode kernel is not built here")
+    if not {"avx512f", "avx512_bf16", "avx512vbmi"} <= flags:
+        pytest.skip("no table kernels here (AVX512-BF16 and VBMI)")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_kernel, "_FLAGS", [*cpu_kernel._FLAGS, "-mno-avx512vbmi"])
+        kernel = cpu_kernel._Kernel()
+        assert kernel.load() is not None, native.status()
+    return kernel
+
+
+@pytest.mark.parametrize("fmt_name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_key_rows_by_bit_moves_are_the_tables_values(fmt_name, tile_kernels_build,
+                                                         monkeypatch):
+    """The table kernels decode 64 fp8 key codes at a time by bit moves where none has a zero
+    exponent field, else by the tables. Over every finite code, in rows that take the bit
+    moves and rows that do not (zeros and subnormals among their codes), the output is the
+    tile kernels' (a build without AVX512-VBMI) bit for bit."""
+    fmt = FORMATS[fmt_name]
+    batch = [(40, 1), (77, 1), (15, 1)]
+    q, k, v, cache, metadata, tables, seq_lens = quantized_step(
+        batch, 16, torch.bfloat16, fmt_name, num_heads=8, num_kv_heads=2, head_dim=64, seed=7)
+    codes = torch.arange(256, dtype=torch.int32)
+    values = kv_quant.decode_values(
+        torch.cat([codes, torch.zeros(kv_quant.SCALE_BYTES, dtype=torch.int32)]).to(torch.uint8),
+        fmt).double()
+    exponent = (codes >> (3 if fmt_name == "fp8_e4m3" else 2)) & (15 if fmt_name == "fp8_e4m3"
+                                                                   else 31)
+    normal = codes[values.isfinite() & (exponent > 0)]
+    subnormal = codes[(exponent == 0) & (values != 0)]
+    gen = torch.Generator().manual_seed(0)
+    rows = cache.key.flatten(0, 2)  # [rows, 64 codes + the scale's 2 bytes]
+    # all normal (bit moves); all subnormal; normal but for one zero; half and half
+    kind = torch.arange(len(rows)) % 4
+    pick = [pool[torch.randint(len(pool), (len(rows), 64), generator=gen)]
+            for pool in (normal, subnormal)]
+    chosen = torch.where((kind == 1)[:, None], pick[1], pick[0])
+    zeros = int((kind == 2).sum())
+    chosen[kind == 2, torch.randint(64, (zeros,), generator=gen)] = torch.tensor(
+        [0x00, 0x80]).repeat(zeros)[:zeros]  # +0 and -0
+    chosen[kind == 3, 32:] = pick[1][kind == 3, 32:]
+    rows[:, :64] = chosen.to(torch.uint8)
+    # scales that bring each row's largest value to about 1, so that the small codes weigh
+    largest = values[chosen.long()].abs().amax(dim=1)
+    rows[:, 64:] = (1.0 / largest).to(torch.bfloat16).view(torch.int16)[:, None].view(
+        torch.uint8).view(len(rows), 2)
+    assert len(rows) > 100
+    outs = []
+    for kernel in (cpu_kernel._KERNEL, tile_kernels_build):
+        monkeypatch.setattr(cpu_kernel, "_KERNEL", kernel)
+        amx = cpu_kernel.use_amx()
+        cpu_kernel.use_amx(False)
+        try:
+            outs.append(quantized_backend.paged_attention(q, k, v, cache, metadata, 0.125, None))
+            paths = cpu_kernel.vector_paths()["8-bit"]
+        finally:
+            cpu_kernel.use_amx(amx)
+        outs.append(paths)
+    assert outs[1] != outs[3]  # the two kernels ran
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[2])
+
+
 def test_near_prefetch_is_on_by_default_on_intel_cpus_only():
     """cpu_kernel.use_near_prefetch: on where /proc/cpuinfo names an Intel CPU (where it was
     measured to pay), off elsewhere, in every build that has the switch."""
