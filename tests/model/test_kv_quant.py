@@ -475,7 +475,7 @@ def test_fp8_key_rows_by_bit_moves_are_the_tables_values(fmt_name, tile_kernels_
     chosen = torch.where((kind == 1)[:, None], pick[1], pick[0])
     zeros = int((kind == 2).sum())
     chosen[kind == 2, torch.randint(64, (zeros,), generator=gen)] = torch.tensor(
-        [0x00, 0x80]).repeat(zeros)[:zeros]  # +0 and -0
+        [0x00, 0x80], dtype=torch.int32).repeat(zeros)[:zeros]  # +0 and -0
     chosen[kind == 3, 32:] = pick[1][kind == 3, 32:]
     rows[:, :64] = chosen.to(torch.uint8)
     # scales that bring each row's largest value to about 1, so that the small codes weigh
