@@ -1405,6 +1405,8 @@ INLINE void reduce_rows_online(const decode_args* a, int64_t nt, int bf16_out) {
 #ifdef PART_Q8
 static int near_prefetch_wanted = 0;
 #endif
+/* A slice's keys are one step (its scores, then its weights, in one buffer). */
+_Static_assert(SLICE_KEYS <= TILE_KEYS, "a slice of more keys than a step");
 #define DEFINE_Q8_ONLINE_KERNEL(NAME, QT, KEYS, PHASE, SCORE_ROWS, VALUE_ROWS, NEAR)         \
 INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {                   \
   const int64_t KVH = a->num_kv_heads, H = a->num_heads;                                     \
