@@ -1262,34 +1262,39 @@ INLINE float hsum256(__m256 x) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 #endif
-/* The largest of the n scores w[0, n) (NaN if one is), and their weights exp(w - m) in
-   place, lanes past n zero up to the next 16 (*sum their sum). */
-INLINE float block_max(const float* w, int64_t n) {
+/* The larger of old and the n scores w[0, n) (NaN if one is; the scores' own maximum only
+   where one is above old, the horizontal reduction skipped otherwise), and block_weights:
+   their weights exp(w - m) in place, lanes past n zero up to the next 16, their sum
+   returned. */
+INLINE float block_max(const float* w, int64_t n, float old) {
 #if defined(USE_AVX512)
-  __m512 mx = _mm512_set1_ps(-__builtin_inff());
-  __mmask16 nan = 0;
+  const __m512 o = _mm512_set1_ps(old);
+  __m512 mx = o;
+  __mmask16 nan = 0, above = 0;
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
     const __m512 x = _mm512_maskz_loadu_ps(k, w + i);
     nan |= _mm512_mask_cmp_ps_mask(k, x, x, _CMP_UNORD_Q);
+    above |= _mm512_mask_cmp_ps_mask(k, x, o, _CMP_GT_OQ);
     mx = _mm512_mask_max_ps(mx, k, mx, x);
   }
-  return nan ? __builtin_nanf("") : _mm512_reduce_max_ps(mx);
+  return nan ? __builtin_nanf("") : above ? _mm512_reduce_max_ps(mx) : old;
 #elif defined(USE_AVX2)
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 mx = _mm256_set1_ps(-__builtin_inff());
-  int nan = 0;
+  const __m256 o = _mm256_set1_ps(old);
+  __m256 mx = o;
+  int nan = 0, above = 0;
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 in = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - i)),
                                                              iota));
-    const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()),
-                                      _mm256_loadu_ps(w + i), in);
+    const __m256 x = _mm256_blendv_ps(o, _mm256_loadu_ps(w + i), in);
     nan |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    above |= _mm256_movemask_ps(_mm256_cmp_ps(x, o, _CMP_GT_OQ));
     mx = _mm256_max_ps(mx, x);
   }
-  return nan ? __builtin_nanf("") : hmax256(mx);
+  return nan ? __builtin_nanf("") : above ? hmax256(mx) : old;
 #else
-  float mx = -__builtin_inff();
+  float mx = old;
   for (int64_t i = 0; i < n; i++) {
     if (w[i] != w[i]) return __builtin_nanf("");
     mx = w[i] > mx ? w[i] : mx;
@@ -1341,8 +1346,7 @@ INLINE void online_weights(const decode_args* a, int64_t t, int64_t r0, float* w
     float* st = online_state(a, t, r0 + g);
     float* wg = w + g * KEYS;
     float* restrict ag = acc + g * D;
-    const float old = st[0], block = block_max(wg, n);
-    const float m = block > old || block != block ? block : old;
+    const float old = st[0], m = block_max(wg, n, old);
     if (st[1] < 0.0f) { /* first touch: nothing to rescale */
       memset(ag, 0, D * sizeof(float));
       st[1] = 0.0f;
