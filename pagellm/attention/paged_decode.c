@@ -169,10 +169,10 @@ DEFINE_WRITE(write_bf16_t, bf16_t)
    of 16 keys' scores is one line of its own: no line is split between blocks, which the
    threads take in physical order, not by sequence, and would otherwise write side by side.
    The single-pass kernels keep no scores: a row holds their threads' running maxima and sums
-   instead, two floats per thread (online_state), so a row has at least that many floats. */
+   instead, a line per thread (online_state), so a row has at least 16 floats per thread. */
 INLINE int64_t row_floats(const decode_args* a) {
   const int64_t scores = a->max_seq_len + (a->max_seq_len + 1) / 2 + 1;
-  return ((scores > 2 * a->num_threads ? scores : 2 * a->num_threads) + 15) / 16 * 16;
+  return ((scores > 16 * a->num_threads ? scores : 16 * a->num_threads) + 15) / 16 * 16;
 }
 INLINE float* partial_sum(const decode_args* a, int64_t t, int64_t row) {
   const int64_t rows = a->num_seqs * a->num_heads;
@@ -1244,11 +1244,12 @@ DEFINE_VALUE_PLANES(value_e5m2_planes, 2)
    other, each with its own far and near prefetches. On an AMX Xeon, 64 x 512 over 12 layers
    of caches from memory: int8 0.58x -> 0.45x of bfloat16's time (one thread), fp8 0.65x ->
    0.58x (docs/BENCHMARKS.md, "A single pass"). */
-/* Thread t's running maximum and sum of row r ([0], [1]; [1] = -1: not touched yet), in the
-   rows' place: each thread's pairs side by side (a line written by both cores, or two
+/* Thread t's state of row r, a 64-byte line: [0] the running maximum, [1] -1 until the row
+   is touched (then 0), [8, 16) the running sum in 8 lanes (added up at the end, not per
+   step); in the rows' place, each thread's lines side by side (a line written by both cores, or two
    neighbouring ones, cost a fifth of the time with two threads there). */
 INLINE float* online_state(const decode_args* a, int64_t t, int64_t r) {
-  return a->workspace + 2 * (t * a->num_seqs * a->num_heads + r);
+  return a->workspace + 16 * (t * a->num_seqs * a->num_heads + r);
 }
 #ifdef USE_AVX2
 INLINE float hmax256(__m256 x) {
@@ -1256,16 +1257,11 @@ INLINE float hmax256(__m256 x) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
-INLINE float hsum256(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
 #endif
 /* The larger of old and the n scores w[0, n) (NaN if one is; the scores' own maximum only
    where one is above old, the horizontal reduction skipped otherwise), and block_weights:
-   their weights exp(w - m) in place, lanes past n zero up to the next 16, their sum
-   returned. */
+   their weights exp(w - m) in place, lanes past n zero up to the next 16, their sum added
+   into the 8 lanes sum8 (no horizontal sum per step). */
 INLINE float block_max(const float* w, int64_t n, float old) {
 #if defined(USE_AVX512)
   const __m512 o = _mm512_set1_ps(old);
@@ -1302,7 +1298,7 @@ INLINE float block_max(const float* w, int64_t n, float old) {
   return mx;
 #endif
 }
-INLINE float block_weights(float* w, int64_t n, float m) {
+INLINE void block_weights(float* w, int64_t n, float m, float* restrict sum8) {
   const int64_t end = (n + 15) / 16 * 16;
 #if defined(USE_AVX512)
   __m512 sum = _mm512_setzero_ps();
@@ -1313,7 +1309,9 @@ INLINE float block_weights(float* w, int64_t n, float m) {
     _mm512_storeu_ps(w + i, e);
     sum = _mm512_add_ps(sum, e);
   }
-  return _mm512_reduce_add_ps(sum);
+  _mm256_storeu_ps(sum8, _mm256_add_ps(_mm256_loadu_ps(sum8), _mm256_add_ps(
+      _mm512_castps512_ps256(sum), _mm256_castpd_ps(
+      _mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1)))));
 #elif defined(USE_AVX2)
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 sum = _mm256_setzero_ps();
@@ -1325,14 +1323,14 @@ INLINE float block_weights(float* w, int64_t n, float m) {
     _mm256_storeu_ps(w + i, e);
     sum = _mm256_add_ps(sum, e);
   }
-  return hsum256(sum);
+  _mm256_storeu_ps(sum8, _mm256_add_ps(_mm256_loadu_ps(sum8), sum));
 #else
   float sum = 0.0f;
   for (int64_t i = 0; i < end; i++) {
     w[i] = i < n ? exp_u20(w[i] - m) : 0.0f;
     sum += w[i];
   }
-  return sum;
+  sum8[0] += sum;
 #endif
 }
 /* The scores w[g * KEYS + i] (i < n) of G rows r0.. into weights against each row's running
@@ -1349,14 +1347,15 @@ INLINE void online_weights(const decode_args* a, int64_t t, int64_t r0, float* w
     const float old = st[0], m = block_max(wg, n, old);
     if (st[1] < 0.0f) { /* first touch: nothing to rescale */
       memset(ag, 0, D * sizeof(float));
+      memset(st + 8, 0, 8 * sizeof(float));
       st[1] = 0.0f;
     } else if (m > old) {
       const float f = exp_u20(old - m);
       for (int64_t d = 0; d < D; d++) ag[d] *= f;
-      st[1] *= f;
+      for (int i = 8; i < 16; i++) st[i] *= f;
     }
     st[0] = m;
-    st[1] += block_weights(wg, n, m);
+    block_weights(wg, n, m, st + 8);
   }
 }
 /* After the single pass, on every thread: each row's threads' (m_t, sum_t, partial sum_t)
@@ -1379,7 +1378,9 @@ INLINE void reduce_rows_online(const decode_args* a, int64_t nt, int bf16_out) {
       if (st[1] < 0.0f) continue;
       const float f = exp_u20(st[0] - top);
       const float* restrict p = partial_sum(a, u, r);
-      total += f * st[1];
+      float sum = 0.0f;
+      for (int i = 8; i < 16; i++) sum += st[i];
+      total += f * sum;
       for (int64_t d = 0; d < D; d++) x[d] += p[d] * f;
     }
     const float inv = 1.0f / total;
