@@ -397,9 +397,9 @@ def vnni_int8_bound(q, cache, head_dim, expected):
                                    [(0, 1), (40, 1), (99, 1), (300, 1), (511, 1)]])
 def test_vnni_int8_single_pass_merges_its_threads(threads, batch, monkeypatch):
     """The AVX512-VNNI int8 kernel runs in one pass: each thread keeps a running maximum,
-    sum and partial sum per row (the maximum and sum in the rows' place in the workspace,
-    which has room for two floats per thread even where the contexts are shorter than that),
-    merged after. With 1, 3 and 20 threads (a sequence's blocks on several of them), short
+    sum and partial sum per row (the maximum and sum in a line per thread and row, in the
+    rows' place in the workspace, which has room for them even where the contexts are
+    shorter), merged after. With 1, 3 and 20 threads (a sequence's blocks on several of them), short
     contexts and long ones, and a workspace of exactly decode_workspace's size with a guard
     after it: the guard is untouched, and the outputs are within the kernel's bound of the
     float64 reference and as the one-thread outputs up to the merge's float rounding."""
