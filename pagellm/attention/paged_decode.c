@@ -392,6 +392,10 @@ DEFINE_AVX512_VALUE(value_bf16_avx512, bf16_t, bf16_t, step_bf16, 2)
 #endif
 
 #ifdef USE_AVX512
+/* The first n of 16 lanes (none for n <= 0). */
+INLINE __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
 INLINE __m512 exp512_u20(__m512 x) { /* exp_u20, 16 at a time */
 #define K(c) _mm512_set1_ps(c)
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, K(LN_FLT_MIN), _CMP_LT_OS);
@@ -687,6 +691,23 @@ INLINE void softmax_rows(const decode_args* a, int64_t nt, int rounded) {
   }
 }
 
+/* Row r of the output (bfloat16 or float32): x[0, head_dim) times f. */
+INLINE void store_out_row(const decode_args* a, int64_t r, const float* x, float f,
+                          int bf16_out) {
+  const int64_t D = a->head_dim;
+  int64_t d = 0;
+#ifdef USE_AVX2
+  for (; d + 8 <= D; d += 8) { /* as below, 8 at a time */
+    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + d), _mm256_set1_ps(f));
+    if (bf16_out) _mm_storeu_si128((__m128i*)((bf16_t*)a->out + r * D + d), store8_bf16(y));
+    else _mm256_storeu_ps((float*)a->out + r * D + d, y);
+  }
+#endif
+  for (; d < D; d++) {
+    if (bf16_out) ((bf16_t*)a->out)[r * D + d] = store_bf16(x[d] * f);
+    else ((float*)a->out)[r * D + d] = x[d] * f;
+  }
+}
 /* After pass 2, on every thread: each row's output (bfloat16 or float32), its threads' partial
    sums added up and divided by the softmax sum. */
 INLINE void reduce_rows(const decode_args* a, int64_t nt, int bf16_out) {
@@ -694,24 +715,13 @@ INLINE void reduce_rows(const decode_args* a, int64_t nt, int bf16_out) {
   _Pragma("omp barrier")
   _Pragma("omp for schedule(static)")
   for (int64_t r = 0; r < a->num_seqs * a->num_heads; r++) {
-    const float inv_sum = a->workspace[r * rf + rf - 1];
-    int64_t d = 0;
-#ifdef USE_AVX2
-    for (; d + 8 <= D; d += 8) { /* as below, 8 at a time */
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t u = 0; u < nt; u++)
-        sum = _mm256_add_ps(sum, _mm256_loadu_ps(partial_sum(a, u, r) + d));
-      sum = _mm256_mul_ps(sum, _mm256_set1_ps(inv_sum));
-      if (bf16_out) _mm_storeu_si128((__m128i*)((bf16_t*)a->out + r * D + d), store8_bf16(sum));
-      else _mm256_storeu_ps((float*)a->out + r * D + d, sum);
+    float x[D]; /* any head_dim (the float kernels have no bound) */
+    memcpy(x, partial_sum(a, 0, r), D * sizeof(float));
+    for (int64_t u = 1; u < nt; u++) {
+      const float* restrict p = partial_sum(a, u, r);
+      for (int64_t d = 0; d < D; d++) x[d] += p[d];
     }
-#endif
-    for (; d < D; d++) {
-      float sum = 0.0f;
-      for (int64_t u = 0; u < nt; u++) sum += partial_sum(a, u, r)[d];
-      if (bf16_out) ((bf16_t*)a->out)[r * D + d] = store_bf16(sum * inv_sum);
-      else ((float*)a->out)[r * D + d] = sum * inv_sum;
-    }
+    store_out_row(a, r, x, a->workspace[r * rf + rf - 1], bf16_out);
   }
 }
 
@@ -1038,10 +1048,6 @@ INLINE void value_tile_##SUFFIX(float* w, int64_t ws, const float* tile, const f
 }
 
 #ifdef USE_AVX512_BF16
-/* The first n of 16 lanes (none for n <= 0). */
-INLINE __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
 /* bfloat16 query, bfloat16 tiles: the rows' values unscaled (8-bit values are exact in
    bfloat16), their scales beside (sc); scores by the bfloat16 dot products, times the key's
    scale after; the softmax weights times the value's scale, rounded to bfloat16 as the
@@ -1268,7 +1274,7 @@ INLINE float block_max(const float* w, int64_t n, float old) {
   __m512 mx = o;
   __mmask16 nan = 0, above = 0;
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 k = first_lanes(n - i);
     const __m512 x = _mm512_maskz_loadu_ps(k, w + i);
     nan |= _mm512_mask_cmp_ps_mask(k, x, x, _CMP_UNORD_Q);
     above |= _mm512_mask_cmp_ps_mask(k, x, o, _CMP_GT_OQ);
@@ -1303,7 +1309,7 @@ INLINE void block_weights(float* w, int64_t n, float m, float* restrict sum8) {
 #if defined(USE_AVX512)
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < end; i += 16) {
-    const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+    const __mmask16 k = first_lanes(n - i);
     const __m512 e = _mm512_maskz_mov_ps(k, exp512_u20(_mm512_sub_ps(
         _mm512_maskz_loadu_ps(k, w + i), _mm512_set1_ps(m))));
     _mm512_storeu_ps(w + i, e);
@@ -1366,7 +1372,7 @@ INLINE void reduce_rows_online(const decode_args* a, int64_t nt, int bf16_out) {
   _Pragma("omp barrier")
   _Pragma("omp for schedule(static)")
   for (int64_t r = 0; r < a->num_seqs * a->num_heads; r++) {
-    float top = -__builtin_inff(), total = 0.0f, x[256];
+    float top = -__builtin_inff(), total = 0.0f, x[D];
     for (int64_t u = 0; u < nt; u++) {
       const float* st = online_state(a, u, r);
       if (st[1] < 0.0f) continue;
@@ -1383,19 +1389,7 @@ INLINE void reduce_rows_online(const decode_args* a, int64_t nt, int bf16_out) {
       total += f * sum;
       for (int64_t d = 0; d < D; d++) x[d] += p[d] * f;
     }
-    const float inv = 1.0f / total;
-    int64_t d = 0;
-#ifdef USE_AVX2
-    for (; d + 8 <= D; d += 8) {
-      const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + d), _mm256_set1_ps(inv));
-      if (bf16_out) _mm_storeu_si128((__m128i*)((bf16_t*)a->out + r * D + d), store8_bf16(y));
-      else _mm256_storeu_ps((float*)a->out + r * D + d, y);
-    }
-#endif
-    for (; d < D; d++) {
-      if (bf16_out) ((bf16_t*)a->out)[r * D + d] = store_bf16(x[d] * inv);
-      else ((float*)a->out)[r * D + d] = x[d] * inv;
-    }
+    store_out_row(a, r, x, 1.0f / total, bf16_out);
   }
 }
 /* NEAR (1 or 0): the near prefetch, where paged_decode_near_prefetch turns it on. While a
@@ -1777,7 +1771,7 @@ static int vnni_int8_wanted = 1;
 #ifdef USE_Q8_AMX
 /* AMX (the tile instructions and their bfloat16 products, Sapphire Rapids and later; head_dim
    a multiple of 64, at most 16 query heads per KV head): the table kernels' decoding, and the
-   dot products of both products by TDPBF16PS, 16 keys at a time, in place of the vector dot
+   dot products of the scores and the weighted sum by TDPBF16PS, 16 keys at a time, in place of the vector dot
    products, the reduction tree of the scores and the value loop's broadcasts, in the single
    pass (DEFINE_Q8_ONLINE_KERNEL). The products are exact and summed in float32, as by the
    vector instructions, in another order.
