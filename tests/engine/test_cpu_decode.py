@@ -14,7 +14,7 @@ from engine_helpers import make_prompts
 
 from pagellm import LLM, SamplingParams
 from pagellm.model.layers import quant_matmul
-from pagellm.native import PreparedCall
+from pagellm.native import CallChain, PreparedCall
 from pagellm.worker.cpu_decode import CpuDecodePlan
 
 
@@ -56,6 +56,13 @@ def plan_or_skip(llm: LLM) -> CpuDecodePlan:
         pytest.skip(f"no CPU decode plan here: {why_not}")
     assert runner.cpu_decode is not None
     return runner.cpu_decode
+
+
+def plan_calls(plan: CpuDecodePlan, rows: int) -> list:
+    """The plan's calls for ``rows`` sequences, those it chains (native.CallChain) one by
+    one."""
+    return [call for item in plan._plans[rows][0]
+            for call in (item.calls if isinstance(item, CallChain) else [item])]
 
 
 def generate(llm: LLM, prompts, plan: CpuDecodePlan | None, calls: list[int]):
@@ -104,6 +111,8 @@ def test_plan_gives_the_forward_s_tokens_and_logprobs_exactly(llama_dir, compile
         with_plan = generate(llm, prompts[:count], plan, served)
         assert with_plan == generate(eager, prompts[:count], None, [])
     assert sum(served) > 0 and not all(served)  # the prefill steps ran the forward
+    # the compiled calls in a row are made by one C loop (native.chain_calls)
+    assert any(isinstance(item, CallChain) for item in plan._plans[1][0])
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
@@ -222,7 +231,7 @@ def test_plan_runs_the_dot_products_in_its_workspace(llama_dir, request, monkeyp
     assert any(served)
 
     def dot_calls(rows):
-        return [c for c in plan._plans[rows][0] if isinstance(c, PreparedCall)
+        return [c for c in plan_calls(plan, rows) if isinstance(c, PreparedCall)
                 and c.function.__name__.endswith("_dot_gemm")]
 
     layers = llm.llm_engine.runner.model.model.layers
