@@ -14,7 +14,9 @@ int8_activations) with each of --kernels:
   calls through the layers' forward (int4_a8 and bfloat16 have no such variant: int8
   activations take the compiled kernels wherever they are built).
 
---kv-cache-dtype (auto, int8, fp8, fp8_e5m2) is every engine's KV cache.
+--kv-cache-dtype (auto, int8, fp8, fp8_e5m2) is every engine's KV cache. ``--unchained`` adds
+a third run to the rotation: the plan's engine with its chains off, each compiled call made by
+its own ctypes call instead of the plan's chains (native.chain_calls): "chain_speedup".
 
 Each batch size alternates plan / eager --repeats times, fastest run kept: B sequences decode
 together, each after its own 16-token prompt, --new-tokens greedy tokens each, EOS ignored;
@@ -78,6 +80,9 @@ def main() -> None:
     parser.add_argument("--kernels", default="compiled,torch",
                         help="comma-separated: compiled, torch (the int4/int8 layers' kernels)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    parser.add_argument("--unchained", action="store_true",
+                        help="also the plan with each compiled call made on its own "
+                             "(no native.chain_calls): what the chains gain")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     weights = args.weights.split(",")
@@ -115,19 +120,31 @@ def main() -> None:
                 engines = {name: make_engine(model, weight, name == "eager", max(batches),
                                              args.max_model_len, args.kv_cache_dtype)
                            for name in ("plan", "eager")}
-                plan_on = engines["plan"].llm_engine.runner.cpu_decode is not None
+                plan = engines["plan"].llm_engine.runner.cpu_decode
+                # unchained: the plan's engine itself with its chains off (one engine, one
+                # copy of the weights: two engines' copies may read at other speeds)
+                names = ("plan", "eager") + ("unchained",) * (args.unchained and plan is not None)
+                plan_on = plan is not None
                 for batch in batches:
-                    rates: dict[str, list[float]] = {"plan": [], "eager": []}
+                    rates: dict[str, list[float]] = {name: [] for name in names}
                     tokens: dict[str, list[list[int]]] = {}
                     for _ in range(args.repeats):
-                        for name, llm in engines.items():
-                            rate, tokens[name] = run(llm, batch, args.new_tokens)
+                        for name in names:
+                            if plan is not None:
+                                plan.chain = name != "unchained"
+                            rate, tokens[name] = run(engines.get(name, engines["plan"]), batch,
+                                                     args.new_tokens)
                             rates[name].append(round(rate, 1))
                     entry = {"kernels": kernel, "weights": weight, "batch": batch,
                              "plan_on": plan_on, "plan_tok_s": rates["plan"],
                              "eager_tok_s": rates["eager"],
                              "speedup": round(max(rates["plan"]) / max(rates["eager"]), 3),
                              "same_tokens": tokens["plan"] == tokens["eager"]}
+                    if "unchained" in names:
+                        entry.update(unchained_tok_s=rates["unchained"],
+                                     chain_speedup=round(max(rates["plan"])
+                                                         / max(rates["unchained"]), 3),
+                                     unchained_same_tokens=tokens["unchained"] == tokens["plan"])
                     report["runs"].append(entry)
                     print(json.dumps(entry), file=sys.stderr, flush=True)
                 for llm in engines.values():

@@ -130,9 +130,14 @@ class CpuDecodePlan:
         self.workspace = torch.zeros(quant_matmul.workspace_floats(kernel_rows, widest) + 64)
         self.threads = 0
         self.norm_scratch = torch.zeros(0)
+        # whether the steps chain their compiled calls (native.chain_calls; off only to
+        # measure what that gains, benchmarks/cpu_decode_plan.py --unchained: those plans
+        # are kept apart, in _unchained)
+        self.chain = True
         # rows -> (the step's calls, its attention calls with an 8-bit cache's store or None)
         self._plans: dict[int, tuple[list[Callable[[], object]],
                                      list[tuple[PreparedCall, PreparedCall | None]]]] = {}
+        self._unchained: dict = {}
 
     @staticmethod
     def supports(model: CausalLM, kv_caches: list) -> str | None:
@@ -183,6 +188,7 @@ class CpuDecodePlan:
             self.threads = torch.get_num_threads()
             self.norm_scratch = torch.zeros(2 * self.residual.shape[1] * self.threads + 64)
             self._plans.clear()
+            self._unchained.clear()
             dot = self._dot_workspace_floats()
             if dot > self.workspace.numel():  # no plan holds the old one any more
                 self.workspace = torch.zeros(dot)
@@ -219,9 +225,10 @@ class CpuDecodePlan:
 
     def _plan(self, rows: int) -> tuple[list[Callable[[], object]],
                                         list[tuple[PreparedCall, PreparedCall | None]]]:
-        plan = self._plans.get(rows)
+        plans = self._plans if self.chain else self._unchained
+        plan = plans.get(rows)
         if plan is None:
-            plan = self._plans[rows] = self._build(rows)
+            plan = plans[rows] = self._build(rows)
         return plan
 
     def _build(self, rows: int) -> tuple[list[Callable[[], object]],
@@ -280,7 +287,7 @@ class CpuDecodePlan:
         calls.append(cpu_ops.prepared_rms_norm(self.down[:rows], residual, final.weight,
                                                final.eps, self.final[:rows],
                                                self.norm_scratch))
-        return native.chain_calls(calls), attention
+        return (native.chain_calls(calls) if self.chain else calls), attention
 
     def _norm_and_rotate(self, attn: DecoderAttention, q: torch.Tensor, k: torch.Tensor,
                          rows: int) -> Callable[[], object]:
