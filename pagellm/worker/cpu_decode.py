@@ -7,7 +7,8 @@ decode-only step of a model it supports (``CpuDecodePlan.supports``), the plan m
 kernel calls the layers' forward makes, in the same order and on the same values, with their
 arguments prepared once per number of sequences and buffers allocated once, each run of
 consecutive compiled calls made by one C loop (``native.chain_calls``; at batch 1 on an AMX
-Xeon with two threads, 8-9% less time per token than one ctypes call each):
+Xeon about 10% less time per token with two threads and 6% with one than a ctypes call each,
+docs/BENCHMARKS.md):
 
     rms_norm (+ residual) -> qkv product -> rotary in place on q and k (Qwen3: after its
     per-head q/k norms, through the norm modules as the forward does) -> decode attention
