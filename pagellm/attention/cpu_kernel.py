@@ -125,12 +125,13 @@ def use_vnni_int8(on: bool | None = None) -> bool:
 
 
 def use_near_prefetch(on: bool | None = None) -> bool:
-    """Whether the int8 (AVX512-VNNI) and AMX kernels also bring the next block of their
-    K/V into L1 while they work on one, on top of the prefetch into L2 further ahead that
-    every kernel issues. On by default on Intel CPUs, where it makes them 6-9% faster with
-    the K/V read from memory, as a model step reads them (docs/BENCHMARKS.md, "The near
-    prefetch"); off elsewhere, where it was not measured to pay. No result changes. ``on``
-    False turns it off, True on, None only asks."""
+    """Whether the int8 (AVX512-VNNI) and AMX kernels bring the next block of their K/V
+    into L1 while they work on one, in place of the prefetch into L2 further ahead that
+    every other kernel issues. On by default on Intel CPUs, where it makes them 6-9% faster
+    than the far prefetch alone with the K/V read from memory, as a model step reads them
+    (docs/BENCHMARKS.md, "The near prefetch"), and the two together are 2-7% slower than it
+    alone ("The far prefetch beside the near one"); off elsewhere, where it was not measured
+    to pay. No result changes. ``on`` False turns it off, True on, None only asks."""
     library = _KERNEL.load()
     if library is None or not hasattr(library, "paged_decode_near_prefetch"):
         return False

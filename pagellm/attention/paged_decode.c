@@ -1394,13 +1394,16 @@ INLINE void reduce_rows_online(const decode_args* a, int64_t nt, int bf16_out) {
 }
 /* NEAR (1 or 0): the near prefetch, where paged_decode_near_prefetch turns it on. While a
    (pair, KV head) is worked, its share of the next pair's block is brought into L1
-   (prefetcht0) through the cursor's second range, on top of the far prefetch into L2 of
-   the block PREFETCH_AHEAD pairs ahead: by the end of a pair the next one's block is in L1.
-   Measured on an AMX Xeon (docs/BENCHMARKS.md, "The near prefetch"), the K/V read from
-   memory as a model step reads them: int8 (AVX512-VNNI) 6-9% faster per key, fp8 (AMX)
-   3-6%; with the K/V in L2 or L3, within 2%; bfloat16 gains nothing from it. Only the VNNI
-   and AMX kernels (those measured) take it. PHASE(a, k, D, G) runs in each thread before
-   (k = 0) and after (k = 1) its share of the pairs. */
+   (prefetcht0) through the cursor's second range: by the end of a pair the next one's block
+   is in L1. Measured on an AMX Xeon (docs/BENCHMARKS.md, "The near prefetch"), the K/V read
+   from memory as a model step reads them, on top of the far prefetch into L2 of the block
+   PREFETCH_AHEAD pairs ahead: int8 (AVX512-VNNI) 6-9% faster per key, fp8 (AMX) 3-6%; with
+   the K/V in L2 or L3, within 2%; bfloat16 gains nothing from it. Since the single pass the
+   far prefetch on top of it costs there (fp8 3-7% with two threads, 4% with one; int8 2-3%:
+   "The far prefetch beside the near one"), so where the near prefetch runs it is the only
+   one; without either the kernels take twice the time. Only the VNNI and AMX kernels (those
+   measured) take it. PHASE(a, k, D, G) runs in each thread before (k = 0) and after (k = 1)
+   its share of the pairs. */
 #ifdef PART_Q8
 static int near_prefetch_wanted = 0;
 #endif
@@ -1425,7 +1428,7 @@ INLINE void NAME(const decode_args* a, const int64_t D, const int64_t G) {      
   }                                                                                          \
   for (int64_t p = pb; p < pe; p++) {                                                        \
     const int64_t off = a->pair_phys[p] * block_bytes;                                       \
-    const int64_t ahead = p + PREFETCH_AHEAD < pe                                            \
+    const int64_t ahead = !near && p + PREFETCH_AHEAD < pe                                   \
         ? a->pair_phys[p + PREFETCH_AHEAD] * block_bytes : -1;                               \
     const int64_t next = p + 1 < pe ? a->pair_phys[p + 1] * block_bytes : -1;                \
     int64_t lo;                                                                              \
