@@ -133,6 +133,8 @@ class AttentionMetadata:
         slots of positions ``seq_lens[s] - query_lens[s] .. seq_lens[s] - 1`` of each sequence.
         """
         num_prefills = _count_prefills(query_lens)
+        if num_prefills == 0 and slot_mapping is None and seq_lens:
+            return _build_decodes(seq_lens, block_tables, block_size, device)
         num_blocks = [-(-n // block_size) for n in seq_lens]
         max_blocks = max(num_blocks, default=0)
         table = torch.tensor([t[:n] + [0] * (max_blocks - n)
@@ -167,6 +169,35 @@ class AttentionMetadata:
             num_decode_tokens=len(query_lens) - num_prefills,
             max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
             block_size=block_size, prefill=prefill, decode=decode, write_index=write_index)
+
+
+def _build_decodes(seq_lens: list[int], block_tables: list[list[int]], block_size: int,
+                   device: torch.device | str) -> AttentionMetadata:
+    """build's result for a step of decodes only (one new token per sequence, its slot from
+    the table), from the lists in Python: a decode step of a few sequences spent ~0.1 ms in
+    the two dozen tensor ops the general path runs (docs/BENCHMARKS.md)."""
+    num_seqs = len(seq_lens)
+    num_blocks = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(num_blocks)
+    rows = [t[:n] + [0] * (max_blocks - n) for t, n in zip(block_tables, num_blocks)]
+    table = torch.tensor(rows, dtype=torch.int64).reshape(num_seqs, max_blocks).to(device)
+    positions = [n - 1 for n in seq_lens]
+    slots = [row[p // block_size] * block_size + p % block_size
+             for row, p in zip(rows, positions)]
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64).to(device)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device)
+    write_index = None
+    if min(slots) < 0:
+        write_index = torch.nonzero(slot_mapping >= 0).flatten()
+    max_seq_len = max(seq_lens)
+    return AttentionMetadata(
+        slot_mapping=slot_mapping, positions=torch.tensor(positions, dtype=torch.int64).to(device),
+        block_tables=table, seq_lens=seq_lens_t,
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int64).to(device),
+        num_prefills=0, num_prefill_tokens=0, num_decode_tokens=num_seqs, max_query_len=1,
+        max_seq_len=max_seq_len, block_size=block_size, prefill=None,
+        decode=DecodeMetadata(table, seq_lens_t, max_seq_len, block_size),
+        write_index=write_index)
 
 
 def _token_positions(query_lens: torch.Tensor, seq_lens: torch.Tensor,

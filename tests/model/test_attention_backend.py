@@ -240,6 +240,39 @@ def test_bfloat16_close_to_float64_reference(decode_path):
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_decode_only_metadata_is_the_general_build_s():
+    """A step of decodes only is built from the lists in Python (metadata._build_decodes):
+    every field equals the general build's (given the same slots, which it then takes as
+    they are), and each slot is its sequence's last position in its block table, for block
+    tables longer than needed, ragged lengths and several block sizes."""
+    gen = torch.Generator().manual_seed(5)
+    for block_size in (1, 4, 16):
+        for num_seqs in (1, 3, 17):
+            seq_lens = torch.randint(1, 90, (num_seqs,), generator=gen).tolist()
+            tables = [torch.randperm(400, generator=gen)[:-(-n // block_size) + 2].tolist()
+                      for n in seq_lens]
+            fast = AttentionMetadata.build([1] * num_seqs, seq_lens, tables, block_size)
+            general = AttentionMetadata.build([1] * num_seqs, seq_lens, tables, block_size,
+                                              slot_mapping=fast.slot_mapping.clone())
+            for name in ("slot_mapping", "positions", "block_tables", "seq_lens",
+                         "query_start_loc"):
+                want = getattr(general, name)
+                assert torch.equal(getattr(fast, name), want), name
+                assert getattr(fast, name).dtype == want.dtype, name
+            for name in ("num_prefills", "num_prefill_tokens", "num_decode_tokens",
+                         "max_query_len", "max_seq_len", "block_size", "prefill",
+                         "write_index"):
+                assert getattr(fast, name) == getattr(general, name), name
+            assert torch.equal(fast.decode.block_tables, general.decode.block_tables)
+            assert torch.equal(fast.decode.seq_lens, general.decode.seq_lens)
+            assert fast.decode.max_seq_len == general.decode.max_seq_len
+            assert [p.tolist() for p in fast.decode.block_pairs()] == [
+                p.tolist() for p in general.decode.block_pairs()]
+            slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size
+                     for t, n in zip(tables, seq_lens)]
+            assert fast.slot_mapping.tolist() == slots
+
+
 def test_prefills_must_precede_decodes():
     with pytest.raises(ValueError, match="precede"):
         AttentionMetadata.build([1, 5], [1, 5], [[0], [1]], 16)
