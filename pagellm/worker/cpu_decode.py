@@ -204,11 +204,14 @@ class CpuDecodePlan:
         workspace = cpu_kernel.decode_workspace(rows, self.num_heads, self.head_dim,
                                                 decode.max_seq_len)
         slots = metadata.slot_mapping.contiguous()
-        for call, store in attention:  # an 8-bit cache: its store, then attention
+        stored = [call for call, store in attention if store is not None]
+        for _, store in attention:  # an 8-bit cache: its store, then attention
             if store is not None:
                 cpu_kernel.set_store_slots(store, slots)
-            cpu_kernel.set_step(call, pairs, decode.seq_lens, decode.max_seq_len,
-                                None if store is not None else slots, workspace)
+        cpu_kernel.set_steps(stored, pairs, decode.seq_lens, decode.max_seq_len, None,
+                             workspace)
+        cpu_kernel.set_steps([call for call, store in attention if store is None], pairs,
+                             decode.seq_lens, decode.max_seq_len, slots, workspace)
         for call in calls:
             call()
         return self.final[:rows]

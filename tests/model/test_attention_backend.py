@@ -180,6 +180,33 @@ def test_decode_kv_from_strided_projections(decode_path):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
 
 
+def test_set_steps_gives_every_call_set_step_s_fields():
+    """cpu_kernel.set_steps (one set_step, then a copy of its bytes into the others) leaves
+    each call's arguments as set_step on each would, its own fields (query, caches, output)
+    untouched, and each call holding the step's tensors."""
+    if not cpu_kernel.available():
+        pytest.skip("no compiled CPU kernel")
+    q, k, v, k_cache, v_cache, metadata, _, seq_lens = make_step(MIXED_BATCH[4:], 16,
+                                                                 torch.float32)
+    decode = metadata.decode
+    outs = [torch.empty_like(q) for _ in range(4)]
+    calls = [cpu_kernel.prepared_decode_attention(q, k_cache, v_cache, out, k, v,
+                                                  HEAD_DIM ** -0.5, None) for out in outs]
+    workspace = cpu_kernel.decode_workspace(len(seq_lens), NUM_HEADS, HEAD_DIM,
+                                            decode.max_seq_len)
+    step = (decode.block_pairs(), decode.seq_lens, decode.max_seq_len,
+            metadata.slot_mapping.contiguous(), workspace)
+    cpu_kernel.set_step(calls[0], *step)
+    cpu_kernel.set_steps(calls[1:], *step)
+    fields = [name for name, _ in type(calls[0].args)._fields_]
+    for call, out in zip(calls[1:], outs[1:]):
+        assert call.args.out == out.data_ptr()
+        assert all(getattr(call.args, name) == getattr(calls[0].args, name)
+                   for name in fields if name != "out"), fields
+        assert call.step[1] is decode.seq_lens and call.step[3] is workspace
+    assert calls[1].args.max_seq_len == decode.max_seq_len > 0 and calls[1].args.num_pairs > 0
+
+
 def test_prepared_calls_keep_their_buffers_alive():
     """A prepared decode call holds the tensors its pointers point into (native.PreparedCall
     keep / step): its output and the step's workspace outlive the caller's references and a
