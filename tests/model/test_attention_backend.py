@@ -271,13 +271,18 @@ def test_decode_only_metadata_is_the_general_build_s():
     """A step of decodes only is built from the lists in Python (metadata._build_decodes):
     every field equals the general build's (given the same slots, which it then takes as
     they are), and each slot is its sequence's last position in its block table, for block
-    tables longer than needed, ragged lengths and several block sizes."""
+    tables longer than needed, ragged lengths, several block sizes, and blocks shared by
+    several sequences (a cached prefix: the block pairs' ties); the block pairs below and
+    above the count sorted in Python."""
     gen = torch.Generator().manual_seed(5)
     for block_size in (1, 4, 16):
         for num_seqs in (1, 3, 17):
             seq_lens = torch.randint(1, 90, (num_seqs,), generator=gen).tolist()
             tables = [torch.randperm(400, generator=gen)[:-(-n // block_size) + 2].tolist()
                       for n in seq_lens]
+            for t in tables[1::2]:  # every other sequence starts on the first one's blocks
+                shared = min(len(t), len(tables[0])) // 2
+                t[:shared] = tables[0][:shared]
             fast = AttentionMetadata.build([1] * num_seqs, seq_lens, tables, block_size)
             general = AttentionMetadata.build([1] * num_seqs, seq_lens, tables, block_size,
                                               slot_mapping=fast.slot_mapping.clone())
