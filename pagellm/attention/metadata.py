@@ -135,11 +135,9 @@ class AttentionMetadata:
         num_prefills = _count_prefills(query_lens)
         if num_prefills == 0 and slot_mapping is None and seq_lens:
             return _build_decodes(seq_lens, block_tables, block_size, device)
-        num_blocks = [-(-n // block_size) for n in seq_lens]
+        num_blocks, rows = _table_rows(seq_lens, block_tables, block_size)
         max_blocks = max(num_blocks, default=0)
-        table = torch.tensor([t[:n] + [0] * (max_blocks - n)
-                              for t, n in zip(block_tables, num_blocks)],
-                             dtype=torch.int64).reshape(len(seq_lens), max_blocks)
+        table = torch.tensor(rows, dtype=torch.int64).reshape(len(seq_lens), max_blocks)
         query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
@@ -175,13 +173,10 @@ def _build_decodes(seq_lens: list[int], block_tables: list[list[int]], block_siz
                    device: torch.device | str) -> AttentionMetadata:
     """build's result for a step of decodes only (one new token per sequence, its slot from
     the table), from the lists in Python: a decode step of a few sequences spent ~0.1 ms in
-    the two dozen tensor ops the general path runs (docs/BENCHMARKS.md); with few blocks the
-    decode group's block pairs too."""
+    the two dozen tensor ops the general path runs (docs/BENCHMARKS.md)."""
     num_seqs = len(seq_lens)
-    num_blocks = [-(-n // block_size) for n in seq_lens]
-    max_blocks = max(num_blocks)
-    rows = [t[:n] + [0] * (max_blocks - n) for t, n in zip(block_tables, num_blocks)]
-    table = torch.tensor(rows, dtype=torch.int64).reshape(num_seqs, max_blocks).to(device)
+    num_blocks, rows = _table_rows(seq_lens, block_tables, block_size)
+    table = torch.tensor(rows, dtype=torch.int64).reshape(num_seqs, max(num_blocks)).to(device)
     positions = [n - 1 for n in seq_lens]
     slots = [row[p // block_size] * block_size + p % block_size
              for row, p in zip(rows, positions)]
@@ -191,23 +186,23 @@ def _build_decodes(seq_lens: list[int], block_tables: list[list[int]], block_siz
     if min(slots) < 0:
         write_index = torch.nonzero(slot_mapping >= 0).flatten()
     max_seq_len = max(seq_lens)
-    decode = DecodeMetadata(table, seq_lens_t, max_seq_len, block_size)
-    if sum(num_blocks) <= _LIST_PAIRS:  # block_pairs' result, sorted in Python
-        triples = sorted((row[b], s, b) for s, (row, n) in enumerate(zip(rows, num_blocks))
-                         for b in range(n))  # ties in (sequence, block) order: a stable sort
-        decode._pairs = tuple(torch.tensor(column, dtype=torch.int64).to(device)
-                              for column in ([t[1] for t in triples], [t[2] for t in triples],
-                                             [t[0] for t in triples]))
     return AttentionMetadata(
         slot_mapping=slot_mapping, positions=torch.tensor(positions, dtype=torch.int64).to(device),
         block_tables=table, seq_lens=seq_lens_t,
         query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int64).to(device),
         num_prefills=0, num_prefill_tokens=0, num_decode_tokens=num_seqs, max_query_len=1,
-        max_seq_len=max_seq_len, block_size=block_size, prefill=None, decode=decode,
+        max_seq_len=max_seq_len, block_size=block_size, prefill=None,
+        decode=DecodeMetadata(table, seq_lens_t, max_seq_len, block_size),
         write_index=write_index)
 
 
-_LIST_PAIRS = 32  # up to this many (sequence, block) pairs a decode step sorts them in Python
+def _table_rows(seq_lens: list[int], block_tables: list[list[int]], block_size: int
+                ) -> tuple[list[int], list[list[int]]]:
+    """Each sequence's block count and its table's first that many entries, zero-padded to
+    the longest."""
+    num_blocks = [-(-n // block_size) for n in seq_lens]
+    width = max(num_blocks, default=0)
+    return num_blocks, [t[:n] + [0] * (width - n) for t, n in zip(block_tables, num_blocks)]
 
 
 def _token_positions(query_lens: torch.Tensor, seq_lens: torch.Tensor,

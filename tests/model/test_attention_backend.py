@@ -272,8 +272,7 @@ def test_decode_only_metadata_is_the_general_build_s():
     every field equals the general build's (given the same slots, which it then takes as
     they are), and each slot is its sequence's last position in its block table, for block
     tables longer than needed, ragged lengths, several block sizes, and blocks shared by
-    several sequences (a cached prefix: the block pairs' ties); the block pairs below and
-    above the count sorted in Python."""
+    several sequences (a cached prefix: the block pairs' ties)."""
     gen = torch.Generator().manual_seed(5)
     for block_size in (1, 4, 16):
         for num_seqs in (1, 3, 17):
