@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from pagellm import native
-from pagellm.model.layers import quant_matmul, quant_panels
+from pagellm.model.layers import quant_library, quant_matmul, quant_panels
 from pagellm.model.layers.quantized_linear import (Int4Weight, Int8Weight, int4_quantize,
                                                    int8_quantize)
 
 ROWS = (1, 2, 3, 4, 5, 7, 8, 12, 15, quant_matmul.GEMM_ROWS, quant_matmul.GEMM_ROWS + 5)
-_builds: dict[str, quant_matmul._Library] = {}
+_builds: dict[str, quant_library.QuantLibrary] = {}
 
 
 @pytest.fixture(params=["native", "x86-64-v3", "generic"])
@@ -26,7 +26,7 @@ def build(request, monkeypatch):
     if level != "native" and not native.cpu_runs(level):
         pytest.skip(f"this CPU cannot run {level} code")
     library = quant_matmul._LIBRARY if level == "native" else _builds.setdefault(
-        level, quant_matmul._Library(level))
+        level, quant_library.QuantLibrary(level))
     assert library.load() is not None, native.status()
     if level != "native":  # the loops the level selects are the ones under test
         assert library.load().quant_matmul_features() == (level == "x86-64-v3")
@@ -368,7 +368,7 @@ def test_compiled_rounding_of_activations_is_torch_s_exactly(build, x_dtype):
     view = x[:, :192]
     matmul = quant_matmul.QuantizedMatmul("int4", torch.zeros(1, 96, dtype=torch.uint8),
                                           torch.ones(1, 6, 2), 32)
-    rounded = quant_matmul._rounded_rows(build.load(), matmul.args, view)
+    rounded = quant_library.rounded_rows(build.load(), matmul.args, view)
     assert torch.equal(rounded, quant_matmul.quantize_activations(view))
 
 

@@ -16,26 +16,25 @@ layout, the int8 activations' rounding, the sliced float32 GEMM) is quant_torch.
 
 Both compute the float32 sums of ``x * w`` with ``w`` dequantized exactly as the layers'
 ``dequantized()`` reference (quantized_linear.py), rounded once to x's dtype. The library is
-built and loaded by pagellm.native; without it (``available()`` False) the layers run torch's
-kernels.
+built and loaded by pagellm.native, its arguments and build are quant_library.py; without
+it (``available()`` False) the layers run torch's kernels.
 """
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from pagellm import native
+from pagellm.model.layers.quant_library import (DOT_KINDS, PANEL_KINDS, PARAMS_DTYPES, WHAT,
+                                                KernelArgs, QuantLibrary, kernel_name,
+                                                rounded_rows, set_rows, workspace_floats)
 from pagellm.model.layers.quant_panels import PANEL, pack_int8_panels
 # the torch side, also named from here (quant_matmul.pack_int4, ...)
 from pagellm.model.layers.quant_torch import (ACTIVATION_BLOCK, pack_int4, quantize_activations,
                                               slice_rows, sliced_float32_gemm, unpack_int4)
 
-_SOURCE = Path(__file__).with_name("quant_matmul.c")
-WHAT = "CPU quantized matmul"  # its name in native.status()
-_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
 # from here on: dequantized slices + float32 GEMM. On an AVX2 EPYC the row kernels were
 # faster up to 31 rows for bfloat16, int4 and int8 weights with one and two threads, and the
 # GEMM from 32 rows with one thread (36-48 with two; benchmarks/quantization.py crossover,
@@ -66,59 +65,12 @@ LOOP_DOT_ROWS = 10
 FEW_ROWS_PAY = native.cpu_vendor() == "AuthenticAMD"
 FEW_DOT_ROWS = 8 if FEW_ROWS_PAY else DOT_ROWS
 FEW_LOOP_DOT_ROWS = 4 if FEW_ROWS_PAY else LOOP_DOT_ROWS
-_DOT_KINDS = {"int4": 0, "int8": 1, "int8_zero": 2}
 # the int4 panels have no GEMM path (their kernel was faster at 16-1024 rows, see
 # int4_panel_a8_matmul); a product of more rows runs in calls of this many
 PANEL_CHUNK_ROWS = 256
 
 
-class _Args(ctypes.Structure):
-    _fields_ = ([(name, ctypes.c_void_p) for name in
-                 ("x", "codes", "params", "out", "workspace")]
-                + [(name, ctypes.c_int64) for name in
-                   ("rows", "out_features", "in_features", "group_size", "x_stride",
-                    "num_threads")]
-                + [("x_bf16", ctypes.c_int32), ("params_dtype", ctypes.c_int32),
-                   ("bias", ctypes.c_void_p)])
-
-
-class _Library(native.KernelLibrary):
-    """quant_matmul.c loaded (None after a failed build), its features (bit 0: AVX2 loops,
-    bit 1: an AVX-512 build, bit 2: the int8 activations' AVX512-VNNI loop, bit 3: the
-    AVX512-BF16 products) and a grow-only float32 workspace."""
-
-    features = 0
-
-    def build(self) -> ctypes.CDLL | None:
-        what = WHAT + (f" [{self.level}]" if self.level else "")
-        library = native.build_and_load(_SOURCE, _FLAGS, what, self.level)
-        if library is not None:
-            for name in ("int4_matmul", "int8_matmul", "int8_zero_matmul", "bf16_matmul",
-                         "int4_a8_matmul", "int8_a8_matmul", "int4_panel_a8_matmul",
-                         "int8_panel_a8_matmul"):
-                if not hasattr(library, name):  # the panels' kernels: AVX512-VNNI builds
-                    continue
-                getattr(library, name).argtypes = [ctypes.POINTER(_Args)]
-                getattr(library, name).restype = None
-            library.round_activations.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p]
-            library.round_activations.restype = None
-            if hasattr(library, "dot_gemm_workspace"):  # AVX512-BF16 builds
-                for name in ("int4_dot_gemm", "int8_dot_gemm", "int8_zero_dot_gemm"):
-                    getattr(library, name).argtypes = [ctypes.POINTER(_Args)]
-                    getattr(library, name).restype = None
-                library.dot_gemm_workspace.argtypes = [ctypes.POINTER(_Args), ctypes.c_int64]
-                library.dot_gemm_workspace.restype = ctypes.c_int64
-                library.dot_few.argtypes = [ctypes.POINTER(_Args)]
-                library.dot_few.restype = ctypes.c_int
-            for name in ("int4_dequantize", "int8_dequantize", "int8_zero_dequantize"):
-                getattr(library, name).argtypes = [
-                    ctypes.POINTER(_Args), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-                getattr(library, name).restype = None
-            self.features = library.quant_matmul_features()
-        return library
-
-
-_LIBRARY = _Library()
+_LIBRARY = QuantLibrary()
 
 
 def available() -> bool:
@@ -166,11 +118,6 @@ def describe() -> str:
     return f"compiled, {native.status()[WHAT]}; {loops} loops{vnni}"
 
 
-_PANEL_KINDS = ("int4_panels", "int8_panels")
-# the kernel's params_dtype codes (quant_matmul.c)
-_PARAMS_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
 class QuantizedMatmul:
     """x [..., K] -> x @ W^T for one quantized weight: its codes and parameters, and the
     kernel arguments that do not change from call to call, prepared once (a projection runs
@@ -204,7 +151,7 @@ class QuantizedMatmul:
                  out_features: int | None = None) -> None:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kind, self.codes, self.params = kind, codes, params  # keep them alive
-        if kind in _PANEL_KINDS:
+        if kind in PANEL_KINDS:
             if out_features is None or not 0 <= codes.shape[0] * PANEL - out_features < PANEL:
                 raise ValueError(f"{kind.replace('_', ' ')}: out_features={out_features} for "
                                  f"{codes.shape[0]} panels of {PANEL}")
@@ -212,21 +159,22 @@ class QuantizedMatmul:
         else:
             self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (
                 2 if kind == "int4" else 1)
-        params_dtype = _PARAMS_DTYPES.get(params.dtype)
+        params_dtype = PARAMS_DTYPES.get(params.dtype)
         if params_dtype is None:
             raise ValueError(f"quantized matmul: parameters in "
                              f"{str(params.dtype).removeprefix('torch.')}; float32, bfloat16 "
                              f"or float16")
         # int8_activations' integer products: int4, and symmetric int8 in whole blocks of 32
-        self.takes_int8_activations = kind == "int4" or kind in _PANEL_KINDS or (
+        self.takes_int8_activations = kind == "int4" or kind in PANEL_KINDS or (
             kind == "int8" and group_size % 32 == 0 and self.in_features % 32 == 0)
-        self.args = _Args(0, codes.data_ptr(), params.data_ptr(), 0, 0, 0, self.out_features,
-                          self.in_features, group_size, 0, 1, 0, params_dtype, None)
+        self.args = KernelArgs(0, codes.data_ptr(), params.data_ptr(), 0, 0, 0,
+                               self.out_features, self.in_features, group_size, 0, 1, 0,
+                               params_dtype, None)
         self.pointer = ctypes.byref(self.args)
 
     def integer(self) -> bool:
         """Whether x is rounded to int8 codes for the product (always for the panels)."""
-        return self.kind in _PANEL_KINDS or (self.int8_activations
+        return self.kind in PANEL_KINDS or (self.int8_activations
                                              and self.takes_int8_activations)
 
     def __call__(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
@@ -243,7 +191,7 @@ class QuantizedMatmul:
         integer = self.integer()
         args = self.args
         bias = self.bias if add_bias else None
-        if self.kind in _PANEL_KINDS:
+        if self.kind in PANEL_KINDS:
             out = self._panel_rows(library, rows, bias)
             return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         panels = self.panel_matmul() if integer else None
@@ -255,8 +203,8 @@ class QuantizedMatmul:
             return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         if integer and num_rows >= INTEGER_ROWS:
             # the float loops (or the GEMM) on the rounded rows
-            rows, integer = _rounded_rows(library, args, rows), False
-        _set_rows(args, rows)
+            rows, integer = rounded_rows(library, args, rows), False
+        set_rows(args, rows)
         args.bias = None if bias is None else bias.data_ptr()
         if num_rows >= GEMM_ROWS:
             out = _gemm(library, self.kind, args, rows, self.codes, bias)
@@ -265,7 +213,7 @@ class QuantizedMatmul:
             args.out = out.data_ptr()
             args.workspace = _LIBRARY.scratch(workspace_floats(num_rows, in_features)
                                               ).data_ptr()
-            getattr(library, _kernel(self.kind, integer))(self.pointer)
+            getattr(library, kernel_name(self.kind, integer))(self.pointer)
         out = out.to(x.dtype)  # rounded rows: float32, rounded once here
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
@@ -277,7 +225,7 @@ class QuantizedMatmul:
         int8 activations; groups of an even size: it multiplies pairs). Where its few-rows
         kernel takes the weight (dot_few), from FEW_LOOP_DOT_ROWS rows (FEW_DOT_ROWS
         ``instead_of_torch``)."""
-        if not (dtype == torch.bfloat16 and self.kind in _DOT_KINDS and not self.integer()
+        if not (dtype == torch.bfloat16 and self.kind in DOT_KINDS and not self.integer()
                 and self.args.group_size % 2 == 0 and has_dot_products()):
             return False
         if self.takes_few_rows() and rows < DOT_ROWS:
@@ -290,7 +238,7 @@ class QuantizedMatmul:
         K % 32 == 0, groups of 16, 32, a multiple of 64 or K). Caller checks
         has_dot_products()."""
         if self._few is None:
-            args = _Args.from_buffer_copy(self.args)
+            args = KernelArgs.from_buffer_copy(self.args)
             args.rows = 1
             self._few = bool(_LIBRARY.load().dot_few(ctypes.byref(args)))
         return self._few
@@ -300,9 +248,9 @@ class QuantizedMatmul:
         thread count, in floats (the rows repacked ~512 KB at a time, their group sums, each
         thread's dequantized columns; it grows with rows up to that bound). Caller checks
         has_dot_products()."""
-        args = _Args.from_buffer_copy(self.args)
+        args = KernelArgs.from_buffer_copy(self.args)
         args.rows, args.num_threads = rows, torch.get_num_threads()
-        return _LIBRARY.load().dot_gemm_workspace(ctypes.byref(args), _DOT_KINDS[self.kind])
+        return _LIBRARY.load().dot_gemm_workspace(ctypes.byref(args), DOT_KINDS[self.kind])
 
     def _dot_call(self, library: ctypes.CDLL, rows: torch.Tensor, out: torch.Tensor,
                   bias: torch.Tensor | None, workspace: torch.Tensor | None = None
@@ -310,10 +258,10 @@ class QuantizedMatmul:
         """The AVX512-BF16 product of rows [M, K] (bfloat16, unit column stride) into out
         [M, N] (bfloat16) as a call, in ``workspace`` (at least dot_workspace_floats(M)
         floats; None: the module's shared one, for a call run at once)."""
-        args = _Args.from_buffer_copy(self.args)
-        _set_rows(args, rows)
+        args = KernelArgs.from_buffer_copy(self.args)
+        set_rows(args, rows)
         args.out, args.bias = out.data_ptr(), None if bias is None else bias.data_ptr()
-        floats = library.dot_gemm_workspace(ctypes.byref(args), _DOT_KINDS[self.kind])
+        floats = library.dot_gemm_workspace(ctypes.byref(args), DOT_KINDS[self.kind])
         if workspace is None:
             workspace = _LIBRARY.scratch(floats)
         elif workspace.numel() < floats:
@@ -340,11 +288,11 @@ class QuantizedMatmul:
                     bias: torch.Tensor | None) -> torch.Tensor:
         """The panels' product, PANEL_CHUNK_ROWS rows per call (bounding the workspace)."""
         out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype)
-        args, kernel = self.args, getattr(library, _kernel(self.kind, True))
+        args, kernel = self.args, getattr(library, kernel_name(self.kind, True))
         args.bias = None if bias is None else bias.data_ptr()
         for start in range(0, rows.shape[0], PANEL_CHUNK_ROWS):
             chunk = rows[start:start + PANEL_CHUNK_ROWS]
-            _set_rows(args, chunk)
+            set_rows(args, chunk)
             args.out = out[start:start + PANEL_CHUNK_ROWS].data_ptr()
             args.workspace = _LIBRARY.scratch(workspace_floats(chunk.shape[0],
                                                                self.in_features)).data_ptr()
@@ -370,17 +318,17 @@ class QuantizedMatmul:
         panels = self.panel_matmul() if integer else None
         if panels is not None:
             return panels.prepared(x, out, workspace)
-        args = _Args.from_buffer_copy(self.args)
-        _set_rows(args, x)
+        args = KernelArgs.from_buffer_copy(self.args)
+        set_rows(args, x)
         args.out, args.workspace, args.bias = out.data_ptr(), workspace.data_ptr(), None
-        if not integer or rows < INTEGER_ROWS or self.kind in _PANEL_KINDS:
-            return native.PreparedCall(getattr(library, _kernel(self.kind, integer)), args)
+        if not integer or rows < INTEGER_ROWS or self.kind in PANEL_KINDS:
+            return native.PreparedCall(getattr(library, kernel_name(self.kind, integer)), args)
         # as __call__ from INTEGER_ROWS rows: the rows rounded in float32, the float loops
         # into float32, rounded once to x's dtype
         rounded = torch.empty(rows, self.in_features)
         out32 = torch.empty(rows, self.out_features)
         rounding = native.PreparedCall(library.round_activations, args)
-        matmul_args = _Args.from_buffer_copy(args)
+        matmul_args = KernelArgs.from_buffer_copy(args)
         matmul_args.x, matmul_args.x_stride, matmul_args.x_bf16 = (rounded.data_ptr(),
                                                                    self.in_features, 0)
         matmul_args.out = out32.data_ptr()
@@ -392,13 +340,6 @@ class QuantizedMatmul:
             out.copy_(out32)
 
         return call
-
-
-def workspace_floats(rows: int, in_features: int) -> int:
-    """The workspace a product of ``rows`` rows needs, in floats: the widened bfloat16 rows
-    and two floats per group of each row (groups of 16 at the smallest; int8 activations: a
-    scale per 32 columns, the group sums and a byte per column)."""
-    return rows * (in_features + in_features // 8)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_and_zero: torch.Tensor,
@@ -424,31 +365,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return matmul(x)
 
 
-def _set_rows(args: _Args, rows: torch.Tensor) -> None:
-    """x [rows, K] (unit column stride) on a kernel's args: its pointer, row count, row
-    stride and dtype, and the thread count."""
-    args.x, args.rows, args.x_stride = rows.data_ptr(), rows.shape[0], rows.stride(0)
-    args.x_bf16, args.num_threads = rows.dtype == torch.bfloat16, torch.get_num_threads()
-
-
-def _kernel(kind: str, integer: bool) -> str:
-    """The product's C function by kind: {kind}_a8_matmul for int8 activations
-    ({int4,int8}_panel_a8_matmul for the panels, which have no other)."""
-    if kind in _PANEL_KINDS:
-        return f"{kind.removesuffix('_panels')}_panel_a8_matmul"
-    return f"{kind}_a8_matmul" if integer else f"{kind}_matmul"
-
-
-def _rounded_rows(library: ctypes.CDLL, args: _Args, rows: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] (unit column stride) as quantize_activations rounds them, float32, by the
-    compiled round_activations (one pass; the torch ops take ~10 passes)."""
-    out = torch.empty(rows.shape, dtype=torch.float32)
-    _set_rows(args, rows)
-    library.round_activations(ctypes.byref(args), out.data_ptr())
-    return out
-
-
-def _gemm(library: ctypes.CDLL, kind: str, args: _Args, rows: torch.Tensor,
+def _gemm(library: ctypes.CDLL, kind: str, args: KernelArgs, rows: torch.Tensor,
           codes: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Many rows: float32 GEMMs on dequantized slices of W (sliced_float32_gemm)."""
     in_features = args.in_features
