@@ -401,8 +401,9 @@ def test_min_tokens_holds_for_random_rows() -> None:
 
 
 def test_greedy_argmax_is_torchs_argmax():
-    """The two-level argmax picks what torch.argmax picks: the first maximum, NaN as the
-    maximum, at widths that are and are not multiples of its block, for 9 rows and for one."""
+    """greedy_argmax picks what torch.argmax picks: the first maximum, NaN as the maximum, at
+    widths that are and are not multiples of the two levels' block, for 9 rows (two levels),
+    for one and for three (torch.max), row-major and column-major."""
     from pagellm.worker.sampler import greedy_argmax
 
     gen = torch.Generator().manual_seed(0)
@@ -415,8 +416,12 @@ def test_greedy_argmax_is_torchs_argmax():
         x[5, :] = 0.0
         x[6, 5] = x[6, -2] = float("nan")  # the first NaN wins
         assert torch.equal(greedy_argmax(x), x.argmax(dim=-1)), vocab
-        for row in range(9):  # one row at a time: the two levels from 16384 logits
+        for row in range(9):  # one row at a time
             assert torch.equal(greedy_argmax(x[row:row + 1]), x[row:row + 1].argmax(dim=-1))
+        for start in (0, 3, 6):  # three rows at a time, row-major and column-major
+            rows = x[start:start + 3]
+            assert torch.equal(greedy_argmax(rows), rows.argmax(dim=-1))
+            assert torch.equal(greedy_argmax(rows.t().contiguous().t()), rows.argmax(dim=-1))
         # Column-major, as the CPU's float32 GEMM writes the vocabulary projection, and a
         # slice of a padded one: the same picks.
         columns = x.t().contiguous().t()

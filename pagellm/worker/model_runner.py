@@ -52,7 +52,8 @@ def logits_rows(seq: ScheduledSeq) -> int:
 class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64, packed prefills first
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_rows] int64: packed token of each returned row
+    # [num_rows] int64: packed token of each returned row; None: every token, in order
+    logits_indices: torch.Tensor | None
     lora_batch: LoRABatch | None = None  # the tokens by adapter slot (None: no adapter)
 
 
@@ -103,9 +104,10 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.metadata.positions,
                                 self.cache_engine.kv_caches, inputs.metadata)  # [T, hidden]
-        if inputs.logits_indices.numel() == 0:
+        indices = inputs.logits_indices
+        if indices is not None and indices.numel() == 0:
             return torch.empty(0, self.vocab_size, device=self.device)
-        return self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        return self.model.compute_logits(hidden if indices is None else hidden[indices]).float()
 
     def prepare_inputs(self, batch: list[ScheduledSeq], lora_slots: list[int] | None = None
                        ) -> ModelInput:
@@ -135,8 +137,9 @@ class ModelRunner:
                           self._logits_indices(batch, order, query_lens), lora_batch)
 
     def _logits_indices(self, batch: list[ScheduledSeq], order: list[int],
-                        query_lens: list[int]) -> torch.Tensor:
-        """Packed token index of each logits row, rows in the caller's batch order."""
+                        query_lens: list[int]) -> torch.Tensor | None:
+        """Packed token index of each logits row, rows in the caller's batch order; None
+        where that is every packed token in order (a step of decodes only): no gather."""
         start_of = [0] * len(batch)
         offset = 0
         for i, query_len in zip(order, query_lens):
@@ -146,6 +149,8 @@ class ModelRunner:
         for i, seq in enumerate(batch):
             end = start_of[i] + seq.num_new_tokens
             rows.extend(range(end - logits_rows(seq), end))
+        if len(rows) == offset and rows == list(range(offset)):
+            return None
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
 
     def _check(self, seq: ScheduledSeq) -> None:

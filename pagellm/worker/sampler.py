@@ -143,7 +143,8 @@ class Sampler:
                 work, [meta.params[i] for i in random_rows],
                 [meta.generators[i] for i in random_rows],
                 lambda slot, shape, dtype: self._storage(slot, shape, dtype, work.device))
-        token_ids = _repair_invalid(token_ids, processed, logits)
+            # only the random draws can fall outside the vocabulary (argmax cannot)
+            token_ids = _repair_invalid(token_ids, processed, logits)
         num_logprobs = [p.logprobs for p in meta.params]
         if all(k is None for k in num_logprobs):
             # Nobody asked: skip the [rows, vocab] logsumexp (as vLLM does).
@@ -210,17 +211,25 @@ def _repair_invalid(token_ids: Tensor, processed: Tensor, logits: Tensor) -> Ten
 
 _ARGMAX_BLOCK = 128
 # below this many logits one argmax costs less than the two levels' five ops (1 x 16384 and
-# 4 x 4096 about level on an AMX Xeon; 1 x 49152: 84 against 28 us)
+# 4 x 4096 about level on an AMX Xeon)
 _ARGMAX_TWO_LEVELS = 1 << 14
+# below this many rows one torch.max(dim) (the first maximum too, NaN counting as the maximum)
+# costs less than the two levels. Right after a decode step, with the caches full of the
+# weights, 49152 logits took 87 against 201 us for one row, 147 against 232 for four (an AMX
+# Xeon; 42 against 32 us for one row timed alone, in warm caches, where the two levels looked
+# faster than torch's argmax); from 8 rows on the two levels win
+_ARGMAX_MAX_ROWS = 8
 
 
 def greedy_argmax(logits: Tensor) -> Tensor:
-    """``logits.argmax(-1)`` (the first maximum of each row, NaN counting as the maximum), in
-    two levels on the CPU: the maximum of each 128-wide block (torch's ``amax`` is vectorised,
-    its ``argmax`` is not: 4-5x faster over a [256, 32000] float32 batch here, 3x over one row
-    of 49152), the first block holding the row's maximum, then the first position in that
-    block."""
+    """``logits.argmax(-1)`` (the first maximum of each row, NaN counting as the maximum): on
+    the CPU below _ARGMAX_MAX_ROWS rows torch's ``max`` along the rows (fewer ops), from there
+    in two levels: the maximum of each 128-wide block (torch's ``amax`` is vectorised, its
+    ``argmax`` is not: 4-5x faster over a [256, 32000] float32 batch here), the first block
+    holding the row's maximum, then the first position in that block."""
     rows, vocab = logits.shape
+    if logits.device.type == "cpu" and rows < _ARGMAX_MAX_ROWS:
+        return torch.max(logits, dim=-1).indices
     if (logits.device.type != "cpu" or vocab < 4 * _ARGMAX_BLOCK
             or rows * vocab < _ARGMAX_TWO_LEVELS or logits.dtype != torch.float32):
         return logits.argmax(dim=-1)
