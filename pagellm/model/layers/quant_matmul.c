@@ -1903,6 +1903,37 @@ void int8_zero_dequantize(const qmm_args *a, int64_t row0, int64_t count, float 
   }
 }
 
+/* Rows index[0..count) of symmetric int8 codes in pack_int8_panels' layout (quant_panels.py:
+ * column n's code at k is byte (n / 16) * 512 K / 32 + 512 (k / 32) + 64 (k % 32 / 4) + 4 (n % 16)
+ * + k % 4 of the panels, plus 128) times their scales, params [N, K / group_size] in the rows'
+ * layout: out [count, K] float32, or rounded once to bfloat16 (out_bf16), as Int8Weight.rows'
+ * torch ops compute them (a tied embedding's lookups, one call instead of ten ops). Returns
+ * how many ids lie outside [0, N) (those rows are left unwritten). */
+int64_t int8_panel_rows(const qmm_args *a, const int64_t *index, int64_t count, void *out,
+                        int32_t out_bf16) {
+  const int64_t N = a->out_features, K = a->in_features, gs = a->group_size;
+  int64_t bad = 0;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads) reduction(+ : bad) \
+    if (count > 16)
+  for (int64_t t = 0; t < count; t++) {
+    const int64_t n = index[t];
+    if (n < 0 || n >= N) {
+      bad++;
+      continue;
+    }
+    const uint8_t *column = (const uint8_t *)a->codes + (n / 16) * (K / 32) * 512 + 4 * (n % 16);
+    for (int64_t k = 0; k < K; k++) {
+      const float v = (float)((int)column[(k / 32) * 512 + (k % 32) / 4 * 64 + k % 4] - 128) *
+                      param(a->params, n * (K / gs) + k / gs, a->params_dtype);
+      if (out_bf16)
+        ((bf16_t *)out)[t * K + k] = f32_to_bf16(v);
+      else
+        ((float *)out)[t * K + k] = v;
+    }
+  }
+  return bad;
+}
+
 /* x [M, K] rounded as quantize_activations rounds it, as float32 codes times their scales
  * into out [M, K]: the rows the float loops multiply for int8 activations from
  * quant_matmul.INTEGER_ROWS rows on. */
