@@ -185,13 +185,11 @@ class Int8Weight(nn.Module):
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``index`` [T] of dequantized() in ``dtype`` ([T, K]; one rounding, from
-        float32): a tied embedding's lookups (VocabParallelEmbedding.share_codes). Codes in
-        panels are read by the compiled lookup where it is built (these ops, in one call)."""
-        if self.panels:
-            rows = quant_matmul.panel_rows(self.panel_codes, self.scale, self.group_size,
-                                           index, dtype)
-            if rows is not None:
-                return rows
+        float32): a tied embedding's lookups (VocabParallelEmbedding.share_codes); codes in
+        panels by the compiled lookup (these ops in one call) where it takes ``dtype``."""
+        if self.panels and (rows := quant_matmul.panel_rows(
+                self.panel_codes, self.scale, self.group_size, index, dtype)) is not None:
+            return rows
         q = (quant_panels.int8_panel_rows(self.panel_codes, index) if self.panels
              else self.q.index_select(0, index))
         scale = self.scale.index_select(0, index).float().view(q.shape[0], -1, 1)
