@@ -1163,6 +1163,28 @@ INLINE int fp8_shift_cvt(const uint8_t* r, const int F, __m512i* a, __m512i* b) 
   *b = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(hi, shift), keep), bias);
   return 1;
 }
+/* The value rows x, y (keys i, i + 1; 64 fp8 codes each) as the 4 registers of
+   (x_d, y_d) bfloat16 pairs, by bit moves: each code into the high byte of its word by one
+   masked byte permute, an arithmetic shift, a mask and the rebias; 0 where a code of either
+   row has a zero exponent field (the tables take those). */
+INLINE int fp8_pair_cvt(__m512i x, __m512i y, const int F, __m512i* r) {
+  const __m512i exponent = _mm512_set1_epi8(F == 1 ? 0x78 : 0x7C);
+  if (_mm512_testn_epi8_mask(x, exponent) | _mm512_testn_epi8_mask(y, exponent)) return 0;
+  const __m512i keep = _mm512_set1_epi16((short)(F == 1 ? 0x87F0 : 0x8FE0));
+  const __m512i bias = _mm512_set1_epi16((short)((F == 1 ? 120 : 112) << 7));
+  /* lane j: byte 1 <- x[16 c + j], byte 3 <- y[16 c + j] (indices from 64: y's) */
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i from_y = _mm512_add_epi32(lane, _mm512_set1_epi32(64));
+  const __m512i base = _mm512_or_si512(_mm512_slli_epi32(lane, 8), _mm512_slli_epi32(from_y, 24));
+  for (int c = 0; c < 4; c++) { /* the low bytes zero: the shift and mask drop them */
+    const __m512i index = _mm512_add_epi8(base, _mm512_set1_epi32(16 * c << 8 | 16 * c << 24));
+    const __m512i w = _mm512_maskz_permutex2var_epi8((__mmask64)0xAAAAAAAAAAAAAAAAull, x,
+                                                     index, y);
+    r[c] = _mm512_add_epi16(_mm512_and_si512(_mm512_srai_epi16(w, F == 1 ? 4 : 3), keep),
+                            bias);
+  }
+  return 1;
+}
 /* As DEFINE_DEQUANT_BF16 (the key rows' tile for the scores), by the tables (fp8: by bit
    moves where fp8_shift_cvt applies). */
 #define DEFINE_DEQUANT_PLANES(NAME, F)                                                       \
@@ -1186,8 +1208,9 @@ INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,       
 }
 /* The value rows in place, no tile: acc_g += sum_i wt_g[i] v_i for the G heads (bfloat16
    weights wt_g = wt + g * TILE_KEYS), keys i and i + 1 in one instruction as step_bf16 does,
-   their codes interleaved byte by byte before the lookups; 64 dimensions x up to 4 heads of
-   accumulators. */
+   their codes interleaved byte by byte before the lookups (fp8: by fp8_pair_cvt's bit moves
+   where it applies, 4 shuffles instead of 10 per key pair: 7% faster in L2 on an AMX Xeon with
+   AMX off, 1-2% from memory); 64 dimensions x up to 4 heads of accumulators. */
 #define DEFINE_VALUE_PLANES(NAME, F)                                                         \
 INLINE void NAME(const bf16_t* wt, const uint8_t* restrict v, int64_t vs, int64_t n,         \
                  float* restrict acc, const int64_t D, const int64_t G) {                    \
@@ -1208,8 +1231,10 @@ INLINE void NAME(const bf16_t* wt, const uint8_t* restrict v, int64_t vs, int64_
         const __m512i y = pair ? _mm512_loadu_si512(v + (i + 1) * vs + dc)                   \
                                : _mm512_setzero_si512();                                     \
         __m512i r[4]; /* (key i, key i + 1) bfloat16 pairs of dimensions dc + 16 c.. */      \
-        q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, lo_index, y), F, &r[0], &r[1]);           \
-        q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, hi_index, y), F, &r[2], &r[3]);           \
+        if (F == 0 || !fp8_pair_cvt(x, y, F, r)) {                                           \
+          q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, lo_index, y), F, &r[0], &r[1]);         \
+          q8_lut_cvt(&t, _mm512_permutex2var_epi8(x, hi_index, y), F, &r[2], &r[3]);         \
+        }                                                                                    \
         for (int64_t g = 0; g < gn; g++) {                                                   \
           const __m512bh wg = weight_pair(wt + (g0 + g) * TILE_KEYS + i, pair);              \
           for (int c = 0; c < 4; c++) a[g][c] = _mm512_dpbf16_ps(a[g][c], wg, (__m512bh)r[c]); \

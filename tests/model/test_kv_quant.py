@@ -448,12 +448,12 @@ def tile_kernels_build():
 
 
 @pytest.mark.parametrize("fmt_name", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_key_rows_by_bit_moves_are_the_tables_values(fmt_name, tile_kernels_build,
-                                                         monkeypatch):
-    """The table kernels decode 64 fp8 key codes at a time by bit moves where none has a zero
-    exponent field, else by the tables. Over every finite code, in rows that take the bit
-    moves and rows that do not (zeros and subnormals among their codes), the output is the
-    tile kernels' (a build without AVX512-VBMI) bit for bit."""
+def test_fp8_rows_by_bit_moves_are_the_tables_values(fmt_name, tile_kernels_build, monkeypatch):
+    """The table kernels decode fp8 codes by bit moves where none has a zero exponent field
+    (64 key codes at a time; a value row pair's 2 x 64), else by the tables. Over every finite
+    code, in key and value rows that take the bit moves and rows that do not (zeros and
+    subnormals among their codes), the output is the tile kernels' (a build without
+    AVX512-VBMI) bit for bit."""
     fmt = FORMATS[fmt_name]
     batch = [(40, 1), (77, 1), (15, 1)]
     q, k, v, cache, metadata, tables, seq_lens = quantized_step(
@@ -467,21 +467,22 @@ def test_fp8_key_rows_by_bit_moves_are_the_tables_values(fmt_name, tile_kernels_
     normal = codes[values.isfinite() & (exponent > 0)]
     subnormal = codes[(exponent == 0) & (values != 0)]
     gen = torch.Generator().manual_seed(0)
-    rows = cache.key.flatten(0, 2)  # [rows, 64 codes + the scale's 2 bytes]
-    # all normal (bit moves); all subnormal; normal but for one zero; half and half
-    kind = torch.arange(len(rows)) % 4
-    pick = [pool[torch.randint(len(pool), (len(rows), 64), generator=gen)]
-            for pool in (normal, subnormal)]
-    chosen = torch.where((kind == 1)[:, None], pick[1], pick[0])
-    zeros = int((kind == 2).sum())
-    chosen[kind == 2, torch.randint(64, (zeros,), generator=gen)] = torch.tensor(
-        [0x00, 0x80], dtype=torch.int32).repeat(zeros)[:zeros]  # +0 and -0
-    chosen[kind == 3, 32:] = pick[1][kind == 3, 32:]
-    rows[:, :64] = chosen.to(torch.uint8)
-    # scales that bring each row's largest value to about 1, so that the small codes weigh
-    largest = values[chosen.long()].abs().amax(dim=1)
-    rows[:, 64:] = (1.0 / largest).to(torch.bfloat16).view(torch.int16)[:, None].view(
-        torch.uint8).view(len(rows), 2)
+    for rows in (cache.key.flatten(0, 2), cache.value.flatten(0, 2)):
+        # [rows, 64 codes + the scale's 2 bytes], (block, key, KV head) order; per two keys of
+        # a head: all normal (bit moves); all subnormal; normal but for one zero; half and half
+        kind = torch.arange(len(rows)) // 4 % 4
+        pick = [pool[torch.randint(len(pool), (len(rows), 64), generator=gen)]
+                for pool in (normal, subnormal)]
+        chosen = torch.where((kind == 1)[:, None], pick[1], pick[0])
+        zeros = int((kind == 2).sum())
+        chosen[kind == 2, torch.randint(64, (zeros,), generator=gen)] = torch.tensor(
+            [0x00, 0x80], dtype=torch.int32).repeat(zeros)[:zeros]  # +0 and -0
+        chosen[kind == 3, 32:] = pick[1][kind == 3, 32:]
+        rows[:, :64] = chosen.to(torch.uint8)
+        # scales that bring each row's largest value to about 1, so that the small codes weigh
+        largest = values[chosen.long()].abs().amax(dim=1)
+        rows[:, 64:] = (1.0 / largest).to(torch.bfloat16).view(torch.int16)[:, None].view(
+            torch.uint8).view(len(rows), 2)
     assert len(rows) > 100
     outs = []
     for kernel in (cpu_kernel._KERNEL, tile_kernels_build):
