@@ -1209,8 +1209,9 @@ INLINE void NAME(const uint8_t* restrict rows, int64_t stride, int64_t n,       
 /* The value rows in place, no tile: acc_g += sum_i wt_g[i] v_i for the G heads (bfloat16
    weights wt_g = wt + g * TILE_KEYS), keys i and i + 1 in one instruction as step_bf16 does,
    their codes interleaved byte by byte before the lookups (fp8: by fp8_pair_cvt's bit moves
-   where it applies, 4 shuffles instead of 10 per key pair: 7% faster in L2 on an AMX Xeon with
-   AMX off, 1-2% from memory); 64 dimensions x up to 4 heads of accumulators. */
+   where it applies, 4 shuffles instead of 10 per key pair: on an AMX Xeon with AMX off 1-4%
+   faster with one thread, 1-2% from memory with two); 64 dimensions x up to 4 heads of
+   accumulators. */
 #define DEFINE_VALUE_PLANES(NAME, F)                                                         \
 INLINE void NAME(const bf16_t* wt, const uint8_t* restrict v, int64_t vs, int64_t n,         \
                  float* restrict acc, const int64_t D, const int64_t G) {                    \
