@@ -258,9 +258,9 @@ def test_tied_embedding_reads_the_head_s_codes_only_where_they_are_its_weight(ze
 @pytest.mark.parametrize("groups", [1, 3])
 def test_compiled_panel_lookup_is_the_torch_ops_bit_for_bit(monkeypatch, scale_dtype, groups):
     """Int8Weight.rows of codes in panels (a tied embedding's lookups) by the compiled
-    int8_panel_rows: the torch ops' rows bit for bit, in bfloat16 and float32, per-channel
-    and group-wise scales, the last panel partly filled, an id repeated; an id outside the
-    vocabulary raises instead of reading past the codes."""
+    int8_panel_dequantize_rows: the torch ops' rows bit for bit, in bfloat16 and float32,
+    per-channel and group-wise scales, the last panel partly filled, an id repeated; an id
+    outside the vocabulary raises instead of reading past the codes."""
     from pagellm.model.layers import quant_library, quant_panels
 
     if not quant_matmul.available():
@@ -272,13 +272,13 @@ def test_compiled_panel_lookup_is_the_torch_ops_bit_for_bit(monkeypatch, scale_d
     layer._use_panels(True)  # as int8 activations do on AVX512-VNNI builds
     ids = torch.tensor([0, 15, 16, 36, 3, 16])
     compiled = {dtype: layer.rows(ids, dtype) for dtype in (torch.bfloat16, torch.float32)}
-    monkeypatch.setattr(quant_matmul, "panel_rows", lambda *args: None)  # the torch ops
+    monkeypatch.setattr(quant_matmul, "dequantized_panel_rows", lambda *args: None)  # the torch ops
     for dtype, rows in compiled.items():
         assert rows.dtype == dtype and torch.equal(rows, layer.rows(ids, dtype)), dtype
     library = quant_matmul._LIBRARY.load()
     for bad in (37, -1):
         with pytest.raises(IndexError, match=r"1 ids outside \[0, 37\)"):
-            quant_library.int8_panel_rows(library, layer.panel_codes, layer.scale,
+            quant_library.dequantized_panel_rows(library, layer.panel_codes, layer.scale,
                                           layer.group_size, torch.tensor([2, bad]),
                                           torch.bfloat16)
     assert torch.equal(quant_panels.unpack_int8_panels(layer.panel_codes, 37), q)

@@ -63,8 +63,8 @@ class QuantLibrary(native.KernelLibrary):
             _declare(library.dot_few, restype=ctypes.c_int)
         for name in ("int4_dequantize", "int8_dequantize", "int8_zero_dequantize"):
             _declare(getattr(library, name), ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
-        _declare(library.int8_panel_rows, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                 ctypes.c_int32, restype=ctypes.c_int64)
+        _declare(library.int8_panel_dequantize_rows, ctypes.c_void_p, ctypes.c_int64,
+                 ctypes.c_void_p, ctypes.c_int32, restype=ctypes.c_int64)
         self.features = library.quant_matmul_features()
         return library
 
@@ -100,20 +100,21 @@ def rounded_rows(library: ctypes.CDLL, args: KernelArgs, rows: torch.Tensor) -> 
     return out
 
 
-def int8_panel_rows(library: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor,
+def dequantized_panel_rows(library: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor,
                     group_size: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``index`` [T] of symmetric int8 codes in pack_int8_panels' layout ``codes``
     [P, K / 32, 512] times ``scale`` ([N] or [N, K / group_size], the rows' layout): [T, K]
-    in ``dtype`` (bfloat16 or float32), by the compiled int8_panel_rows in one call, bit for
-    bit the torch ops of Int8Weight.rows. An id outside [0, N) raises IndexError."""
+    in ``dtype`` (bfloat16 or float32), by the compiled int8_panel_dequantize_rows in one
+    call, bit for bit the torch ops of Int8Weight.rows. An id outside [0, N) raises IndexError."""
     in_features = codes.shape[1] * 32
     index, scale = index.to(torch.int64).contiguous(), scale.contiguous()
     out = torch.empty(index.numel(), in_features, dtype=dtype)
     args = KernelArgs(0, codes.data_ptr(), scale.data_ptr(), 0, 0, 0, scale.shape[0],
                       in_features, group_size, 0, torch.get_num_threads(), 0,
                       PARAMS_DTYPES[scale.dtype], None)
-    bad = library.int8_panel_rows(ctypes.byref(args), index.data_ptr(), index.numel(),
-                                  out.data_ptr(), dtype == torch.bfloat16)
+    bad = library.int8_panel_dequantize_rows(ctypes.byref(args), index.data_ptr(),
+                                             index.numel(), out.data_ptr(),
+                                             dtype == torch.bfloat16)
     if bad:
         raise IndexError(f"embedding lookup: {bad} ids outside [0, {scale.shape[0]})")
     return out

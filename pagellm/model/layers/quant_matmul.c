@@ -1909,8 +1909,8 @@ void int8_zero_dequantize(const qmm_args *a, int64_t row0, int64_t count, float 
  * layout: out [count, K] float32, or rounded once to bfloat16 (out_bf16), as Int8Weight.rows'
  * torch ops compute them (a tied embedding's lookups, one call instead of ten ops). Returns
  * how many ids lie outside [0, N) (those rows are left unwritten). */
-int64_t int8_panel_rows(const qmm_args *a, const int64_t *index, int64_t count, void *out,
-                        int32_t out_bf16) {
+int64_t int8_panel_dequantize_rows(const qmm_args *a, const int64_t *index, int64_t count,
+                                   void *out, int32_t out_bf16) {
   const int64_t N = a->out_features, K = a->in_features, gs = a->group_size;
   int64_t bad = 0;
 #pragma omp parallel for schedule(static) num_threads(a->num_threads) reduction(+ : bad) \

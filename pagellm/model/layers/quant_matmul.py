@@ -27,10 +27,10 @@ from collections.abc import Callable
 import torch
 
 from pagellm import native
+from pagellm.model.layers import quant_library
 from pagellm.model.layers.quant_library import (DOT_KINDS, PANEL_KINDS, PARAMS_DTYPES, WHAT,
-                                                KernelArgs, QuantLibrary, int8_panel_rows,
-                                                kernel_name, rounded_rows, set_rows,
-                                                workspace_floats)
+                                                KernelArgs, QuantLibrary, kernel_name,
+                                                rounded_rows, set_rows, workspace_floats)
 from pagellm.model.layers.quant_panels import PANEL, pack_int8_panels
 # the torch side, also named from here (quant_matmul.pack_int4, ...)
 from pagellm.model.layers.quant_torch import (ACTIVATION_BLOCK, pack_int4, quantize_activations,
@@ -119,14 +119,15 @@ def describe() -> str:
     return f"compiled, {native.status()[WHAT]}; {loops} loops{vnni}"
 
 
-def panel_rows(codes: torch.Tensor, scale: torch.Tensor, group_size: int,
+def dequantized_panel_rows(codes: torch.Tensor, scale: torch.Tensor, group_size: int,
                index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """quant_library.int8_panel_rows by the loaded library (a bfloat16 or float32 ``dtype``);
-    None where the library is not built or for another dtype."""
+    """quant_library.dequantized_panel_rows by the loaded library (a bfloat16 or float32
+    ``dtype``); None where the library is not built or for another dtype."""
     library = _LIBRARY.load()
     if library is None or dtype not in (torch.bfloat16, torch.float32):
         return None
-    return int8_panel_rows(library, codes, scale, group_size, index, dtype)
+    return quant_library.dequantized_panel_rows(library, codes, scale, group_size, index,
+                                                dtype)
 
 
 class QuantizedMatmul:

@@ -187,7 +187,7 @@ class Int8Weight(nn.Module):
         """Rows ``index`` [T] of dequantized() in ``dtype`` ([T, K]; one rounding, from
         float32): a tied embedding's lookups (VocabParallelEmbedding.share_codes); codes in
         panels by the compiled lookup (these ops in one call) where it takes ``dtype``."""
-        if self.panels and (rows := quant_matmul.panel_rows(
+        if self.panels and (rows := quant_matmul.dequantized_panel_rows(
                 self.panel_codes, self.scale, self.group_size, index, dtype)) is not None:
             return rows
         q = (quant_panels.int8_panel_rows(self.panel_codes, index) if self.panels
