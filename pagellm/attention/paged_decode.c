@@ -1147,20 +1147,29 @@ INLINE void q8_lut_cvt(const q8_lut* t, __m512i z, const int F, __m512i* a, __m5
   *a = _mm512_permutex2var_epi8(lo, index, hi);
   *b = _mm512_permutex2var_epi8(lo, _mm512_add_epi8(index, _mm512_set1_epi8(32)), hi);
 }
-/* 64 fp8 codes (F 1 e4m3, 2 e5m2) at r as bfloat16 by bit moves, where none of them has a
-   zero exponent field (zeros and subnormals, which the tables take): sign-extended to 16
-   bits, shifted into bfloat16's places and masked, the exponent rebiased (e4m3 by 120, e5m2
-   by 112): the tables' values, in fewer shuffles. Returns 0 where it does not apply. */
-INLINE int fp8_shift_cvt(const uint8_t* r, const int F, __m512i* a, __m512i* b) {
-  if (_mm512_testn_epi8_mask(_mm512_loadu_si512(r), _mm512_set1_epi8(F == 1 ? 0x78 : 0x7C)))
-    return 0;
-  const int shift = F == 1 ? 4 : 5;
+/* Whether none of the 64 fp8 codes x (F 1 e4m3, 2 e5m2) has a zero exponent field (zeros
+   and subnormals, which the tables take): the bit moves below apply. */
+INLINE int fp8_all_normal(__m512i x, const int F) {
+  return !_mm512_testn_epi8_mask(x, _mm512_set1_epi8(F == 1 ? 0x78 : 0x7C));
+}
+/* Words that hold an fp8 code's sign at bit 15 and its other 7 bits from bit 4 (e4m3) or 5
+   (e5m2) as bfloat16: the bits around them masked off, the exponent rebiased (e4m3 by 120,
+   e5m2 by 112). */
+INLINE __m512i fp8_rebias(__m512i w, const int F) {
   const __m512i keep = _mm512_set1_epi16((short)(F == 1 ? 0x87F0 : 0x8FE0));
-  const __m512i bias = _mm512_set1_epi16((short)((F == 1 ? 120 : 112) << 7));
+  return _mm512_add_epi16(_mm512_and_si512(w, keep),
+                          _mm512_set1_epi16((short)((F == 1 ? 120 : 112) << 7)));
+}
+/* 64 fp8 codes at r as bfloat16 by bit moves where fp8_all_normal: sign-extended to 16 bits,
+   shifted into bfloat16's places, fp8_rebias: the tables' values, in fewer shuffles. Returns
+   0 where it does not apply. */
+INLINE int fp8_shift_cvt(const uint8_t* r, const int F, __m512i* a, __m512i* b) {
+  if (!fp8_all_normal(_mm512_loadu_si512(r), F)) return 0;
+  const int shift = F == 1 ? 4 : 5;
   const __m512i lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)r));
   const __m512i hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(r + 32)));
-  *a = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(lo, shift), keep), bias);
-  *b = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(hi, shift), keep), bias);
+  *a = fp8_rebias(_mm512_slli_epi16(lo, shift), F);
+  *b = fp8_rebias(_mm512_slli_epi16(hi, shift), F);
   return 1;
 }
 /* The value rows x, y (keys i, i + 1; 64 fp8 codes each) as the 4 registers of
@@ -1168,10 +1177,7 @@ INLINE int fp8_shift_cvt(const uint8_t* r, const int F, __m512i* a, __m512i* b) 
    masked byte permute, an arithmetic shift, a mask and the rebias; 0 where a code of either
    row has a zero exponent field (the tables take those). */
 INLINE int fp8_pair_cvt(__m512i x, __m512i y, const int F, __m512i* r) {
-  const __m512i exponent = _mm512_set1_epi8(F == 1 ? 0x78 : 0x7C);
-  if (_mm512_testn_epi8_mask(x, exponent) | _mm512_testn_epi8_mask(y, exponent)) return 0;
-  const __m512i keep = _mm512_set1_epi16((short)(F == 1 ? 0x87F0 : 0x8FE0));
-  const __m512i bias = _mm512_set1_epi16((short)((F == 1 ? 120 : 112) << 7));
+  if (!fp8_all_normal(x, F) || !fp8_all_normal(y, F)) return 0;
   /* lane j: byte 1 <- x[16 c + j], byte 3 <- y[16 c + j] (indices from 64: y's) */
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i from_y = _mm512_add_epi32(lane, _mm512_set1_epi32(64));
@@ -1180,8 +1186,7 @@ INLINE int fp8_pair_cvt(__m512i x, __m512i y, const int F, __m512i* r) {
     const __m512i index = _mm512_add_epi8(base, _mm512_set1_epi32(16 * c << 8 | 16 * c << 24));
     const __m512i w = _mm512_maskz_permutex2var_epi8((__mmask64)0xAAAAAAAAAAAAAAAAull, x,
                                                      index, y);
-    r[c] = _mm512_add_epi16(_mm512_and_si512(_mm512_srai_epi16(w, F == 1 ? 4 : 3), keep),
-                            bias);
+    r[c] = fp8_rebias(_mm512_srai_epi16(w, F == 1 ? 4 : 3), F);
   }
   return 1;
 }

@@ -210,8 +210,8 @@ def _repair_invalid(token_ids: Tensor, processed: Tensor, logits: Tensor) -> Ten
 
 
 _ARGMAX_BLOCK = 128
-# below this many logits one argmax costs less than the two levels' five ops (1 x 16384 and
-# 4 x 4096 about level on an AMX Xeon)
+# (from _ARGMAX_MAX_ROWS rows) below this many logits one argmax costs less than the two
+# levels' five ops (1 x 16384 and 4 x 4096 were about level on an AMX Xeon)
 _ARGMAX_TWO_LEVELS = 1 << 14
 # below this many rows one torch.max(dim) (the first maximum too, NaN counting as the maximum)
 # costs less than the two levels. Right after a decode step, with the caches full of the
